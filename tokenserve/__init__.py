@@ -1,0 +1,1 @@
+"""tokenserve shared library: contracts (generated), runtime, SDK."""

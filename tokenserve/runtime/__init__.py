@@ -1,0 +1,1 @@
+"""Shared service runtime: server bootstrap, logging, metrics, errors."""

@@ -1,0 +1,88 @@
+"""Domain errors and the one place they become gRPC status codes.
+
+Logic raises these plain exceptions (no grpc import needed where they are raised); the
+`ErrorInterceptor` installed by `tokenserve.runtime.server` turns them into statuses. Any
+other exception is a bug: it is logged with its type (never request text) and becomes
+INTERNAL.
+"""
+from __future__ import annotations
+
+import grpc
+
+
+class ServiceError(Exception):
+    """Base of every error a caller should see with a precise status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str, *, metadata: tuple[tuple[str, str], ...] = ()):
+        super().__init__(message)
+        self.message = message
+        self.metadata = metadata
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Unauthenticated(ServiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ServiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class FailedPrecondition(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(ServiceError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class ResourceExhausted(ServiceError):
+    """A limit was hit; `retry_after` (seconds) goes to the caller as `retry-after-ms`."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, *, retry_after: float | None = None):
+        md = ()
+        if retry_after is not None:
+            md = (("retry-after-ms", str(max(0, int(retry_after * 1000)))),)
+        super().__init__(message, metadata=md)
+        self.retry_after = retry_after
+
+
+class Conflict(ServiceError):
+    """A concurrent writer changed the same thing first (compare-and-swap lost)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+def from_rpc_error(err: grpc.RpcError, *, context: str = "") -> ServiceError:
+    """Re-raises a downstream service's status as our own domain error (same code)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    message = f"{context}: {details}" if context else (details or "")
+    for cls in (InvalidArgument, NotFound, Unauthenticated, PermissionDenied,
+                FailedPrecondition, DeadlineExceeded, Cancelled, Conflict):
+        if cls.code == code:
+            return cls(message)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        md = dict(err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else {}
+        retry = md.get("retry-after-ms")
+        return ResourceExhausted(message, retry_after=float(retry) / 1000 if retry else None)
+    return Unavailable(message or f"downstream call failed with {code.name}")

@@ -1,0 +1,184 @@
+"""One way to run a grpc.aio server: health, reflection, error mapping, metrics, shutdown.
+
+    server = GrpcServer("engine", [Registration(SERVICE_NAME, add_fn, servicer)], opts)
+    await server.run()          # returns after SIGTERM/SIGINT and a graceful stop
+
+Shutdown: health goes NOT_SERVING for every service, the server keeps answering for
+`drain_seconds` so that balancers notice, then `server.stop(grace_seconds)` lets in-flight
+calls finish, then `on_stop` hooks run (flush spools, close stores).
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tokenserve.runtime import errors
+from tokenserve.runtime.logging import get_logger
+from tokenserve.runtime.metrics import start_metrics_server
+
+log = get_logger(component="server")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 0
+    # None: no metrics endpoint; 0: any free port.
+    metrics_port: int | None = None
+    grace_seconds: float = 5.0
+    drain_seconds: float = 1.0
+    max_message_bytes: int = 16 * 1024 * 1024
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.grace_seconds < 0 or self.drain_seconds < 0:
+            raise ValueError("grace_seconds and drain_seconds must be >= 0")
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A servicer to mount: its full service name (for health and reflection) and the
+    generated `add_XServicer_to_server` function."""
+
+    name: str
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: errors.ServiceError):
+    await context.abort(err.code, err.message, trailing_metadata=err.metadata or None)
+
+
+def _unexpected(method: str, exc: Exception):
+    # Type and method only: the exception text may quote request content.
+    log.error("unhandled_exception", method=method, exc_type=type(exc).__name__)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps `ServiceError` to its status; anything else becomes INTERNAL and is logged."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                try:
+                    return await inner(request, context)
+                except errors.ServiceError as e:
+                    await _abort(context, e)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - last line of defence
+                    _unexpected(method, e)
+                    await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                try:
+                    async for item in inner_stream(request, context):
+                        yield item
+                except errors.ServiceError as e:
+                    await _abort(context, e)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    _unexpected(method, e)
+                    await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer)
+        return handler
+
+
+class GrpcServer:
+    def __init__(self, service: str, registrations: list[Registration], options: ServerOptions,
+                 *, on_stop: list[Callable[[], Awaitable[None]]] | None = None):
+        self.service = service
+        self.registrations = registrations
+        self.options = options
+        self.on_stop = list(on_stop or [])
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._stop_requested = asyncio.Event()
+
+    async def start(self) -> int:
+        opts = self.options
+        server = grpc.aio.server(
+            interceptors=[ErrorInterceptor()],
+            options=[
+                ("grpc.max_send_message_length", opts.max_message_bytes),
+                ("grpc.max_receive_message_length", opts.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        for reg in self.registrations:
+            reg.add_to_server(reg.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = [r.name for r in self.registrations]
+        reflection.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        self.port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {opts.host}:{opts.port}")
+        await server.start()
+        self._server = server
+        if opts.metrics_port is not None:
+            self.metrics_port = start_metrics_server(opts.metrics_port, opts.host)
+        await self.set_serving(True)
+        log.info("serving", service=self.service, port=self.port, metrics_port=self.metrics_port)
+        return self.port
+
+    async def set_serving(self, serving: bool):
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set("", status)
+        for reg in self.registrations:
+            await self.health.set(reg.name, status)
+
+    def request_stop(self):
+        self._stop_requested.set()
+
+    async def stop(self):
+        if self._server is None:
+            return
+        await self.set_serving(False)
+        log.info("draining", service=self.service, seconds=self.options.drain_seconds)
+        await asyncio.sleep(self.options.drain_seconds)
+        await self._server.stop(self.options.grace_seconds)
+        for hook in self.on_stop:
+            try:
+                await hook()
+            except Exception as e:  # noqa: BLE001 - keep stopping the rest
+                log.error("stop_hook_failed", exc_type=type(e).__name__, error=str(e))
+        self._server = None
+        log.info("stopped", service=self.service)
+
+    async def run(self):
+        """Starts, waits for SIGTERM/SIGINT (or `request_stop`), then stops gracefully."""
+        if self._server is None:
+            await self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.request_stop)
+            except (NotImplementedError, RuntimeError):
+                pass
+        await self._stop_requested.wait()
+        await self.stop()
