@@ -53,7 +53,7 @@ class Registration:
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: errors.ServiceError):
-    await context.abort(err.code, err.message, trailing_metadata=err.metadata or None)
+    await context.abort(err.code, err.message, trailing_metadata=tuple(err.metadata))
 
 
 def _unexpected(method: str, exc: Exception):

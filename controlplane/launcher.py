@@ -1,0 +1,302 @@
+"""`tokenserve up`: the whole suite on one machine.
+
+Starts a local etcd, seeds the default configuration, starts every service as its own
+process by module name (never by importing it), waits for each to report SERVING, issues a
+demo API key and prints a ready grpcurl command. Ctrl-C (or SIGTERM) stops the services in
+reverse order, gracefully, then etcd.
+
+`Suite` is the same thing as a library, used by the end-to-end tests with ephemeral ports.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from controlplane import seed as seeding
+from controlplane.etcd_local import EtcdProcess
+from controlplane.schema import Tenant, generate_api_key
+from controlplane.store import ConfigStore
+from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default_model_path
+
+DEMO_TENANT = "demo"
+DEMO_TIER = "standard"
+# Services in start order; stopped in reverse.
+SERVICES = ("meter", "tokenizer", "engine", "gateway")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class SuitePorts:
+    gateway: int = 50051
+    tokenizer: int = 50052
+    engine: int = 50053
+    meter: int = 50054
+    etcd: int = 2379
+    etcd_peer: int = 2380
+    gateway_metrics: int = 9101
+    tokenizer_metrics: int = 9102
+    engine_metrics: int = 9103
+    meter_metrics: int = 9104
+
+    @classmethod
+    def ephemeral(cls) -> "SuitePorts":
+        return cls(**{name: _free_port() for name in cls.__dataclass_fields__})
+
+
+@dataclass
+class Suite:
+    data_dir: Path
+    ports: SuitePorts = field(default_factory=SuitePorts)
+    model_path: Path | None = None
+    engine_args: tuple[str, ...] = ()
+    say: Callable[[str], None] = print
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    etcd: EtcdProcess | None = None
+
+    @property
+    def etcd_endpoint(self) -> str:
+        return f"127.0.0.1:{self.ports.etcd}"
+
+    def address(self, service: str) -> str:
+        return f"127.0.0.1:{getattr(self.ports, service)}"
+
+    # -- start ---------------------------------------------------------------------------
+    def start(self, timeout: float = 300.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "logs").mkdir(exist_ok=True)
+        self.say(f"starting etcd on {self.etcd_endpoint}")
+        self.etcd = EtcdProcess(self.data_dir / "etcd", client_port=self.ports.etcd,
+                                peer_port=self.ports.etcd_peer)
+        self.etcd.start()
+        asyncio.run(self._seed())
+        deadline = time.monotonic() + timeout
+        for name in SERVICES:
+            self.procs[name] = self._spawn(name)
+            self._wait_serving(name, deadline)
+        self._write_state()
+
+    async def _seed(self):
+        store = ConfigStore([self.etcd_endpoint])
+        try:
+            await seeding.seed(store, actor="tokenserve-up")
+            tenant_key = f"tenants/{DEMO_TENANT}"
+            if await store.get(tenant_key) is None:
+                await store.put(tenant_key, Tenant(id=DEMO_TENANT, name="Demo tenant", tier=DEMO_TIER,
+                                                   enabled=True), actor="tokenserve-up")
+        finally:
+            await store.close()
+
+    def issue_key(self, tenant: str = DEMO_TENANT) -> str:
+        """Issues an API key for tenant; the key is returned once, etcd keeps its hash."""
+
+        async def issue():
+            store = ConfigStore([self.etcd_endpoint])
+            try:
+                key, record = generate_api_key(tenant)
+                await store.put(f"keys/{record.key_hash}", record, actor="tokenserve-up")
+                return key
+            finally:
+                await store.close()
+
+        return asyncio.run(issue())
+
+    def _command(self, name: str) -> list[str]:
+        p = self.ports
+        py = [sys.executable, "-m", f"services.{name}"]
+        etcd = ["--etcd-endpoints", self.etcd_endpoint]
+        model = str(self.model_path or default_model_path())
+        if name == "meter":
+            return py + ["--port", str(p.meter), "--metrics-port", str(p.meter_metrics),
+                         "--db", str(self.data_dir / "meter.db")]
+        if name == "tokenizer":
+            return py + ["--port", str(p.tokenizer), "--metrics-port", str(p.tokenizer_metrics),
+                         "--model", f"{DEFAULT_MODEL_NAME}={model}"]
+        if name == "engine":
+            return py + ["--port", str(p.engine), "--metrics-port", str(p.engine_metrics),
+                         "--model-path", model, "--model-name", DEFAULT_MODEL_NAME,
+                         "--version", DEFAULT_MODEL_VERSION, *etcd, *self.engine_args]
+        if name == "gateway":
+            return py + ["--port", str(p.gateway), "--metrics-port", str(p.gateway_metrics), *etcd,
+                         "--tokenizer", self.address("tokenizer"), "--meter", self.address("meter"),
+                         "--snapshot", str(self.data_dir / "gateway-config.json"),
+                         "--spool", str(self.data_dir / "gateway-spool.db")]
+        raise ValueError(f"unknown service {name}")
+
+    def _spawn(self, name: str) -> subprocess.Popen:
+        log_path = self.data_dir / "logs" / f"{name}.log"
+        self.say(f"starting {name} on {self.address(name)} (log: {log_path})")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        root = Path(__file__).resolve().parent.parent
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        return subprocess.Popen(self._command(name), stdout=log_path.open("ab"),
+                                stderr=subprocess.STDOUT, env=env, cwd=root,
+                                start_new_session=True)
+
+    def _wait_serving(self, name: str, deadline: float) -> None:
+        proc = self.procs[name]
+        log_path = self.data_dir / "logs" / f"{name}.log"
+        progress = _ProgressTail(log_path, self.say) if name == "engine" else None
+        with grpc.insecure_channel(self.address(name)) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with code {proc.returncode} while starting;"
+                                       f" see {log_path}:\n{_tail(log_path)}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not become SERVING in time; see {log_path}")
+                try:
+                    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        self.say(f"{name} is serving")
+                        return
+                except grpc.RpcError:
+                    pass
+                if progress:
+                    progress.poll()
+                time.sleep(0.2)
+
+    def _write_state(self):
+        state = {"ports": asdict(self.ports), "pids": {n: p.pid for n, p in self.procs.items()},
+                 "etcd_pid": self.etcd.pid if self.etcd else None}
+        (self.data_dir / "up.json").write_text(json.dumps(state, indent=2))
+
+    # -- stop ----------------------------------------------------------------------------
+    def stop(self, grace: float = 15.0) -> dict[str, int | None]:
+        """Stops services in reverse order (SIGTERM, then SIGKILL after grace); returns exit codes."""
+        codes: dict[str, int | None] = {}
+        for name in reversed(SERVICES):
+            proc = self.procs.get(name)
+            if proc is None:
+                continue
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            codes[name] = proc.returncode
+        self.procs.clear()
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+        return codes
+
+
+class _ProgressTail:
+    """Follows the engine's JSON log and echoes model-load progress events."""
+
+    def __init__(self, path: Path, say: Callable[[str], None]):
+        self.path, self.say, self.offset, self.last = path, say, 0, -1
+
+    def poll(self):
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        lines = chunk.split(b"\n")
+        self.offset += len(chunk) - len(lines[-1])
+        for raw in lines[:-1]:
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue
+            if "done" in rec and "total" in rec and rec["total"]:
+                pct = int(100 * rec["done"] / rec["total"])
+                if pct // 10 != self.last // 10:
+                    self.last = pct
+                    self.say(f"  loading model: {pct}% ({rec['done']}/{rec['total']})")
+            elif "load" in str(rec.get("event", "")) and "seconds" in str(rec):
+                self.say(f"  model loaded ({rec.get('event')})")
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return ""
+
+
+def grpcurl_command(key: str, gateway: str) -> str:
+    body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 32})
+    return (f"grpcurl -plaintext -H 'authorization: Bearer {key}' -d '{body}' "
+            f"{gateway} tokenserve.gateway.v1.InferenceService/Chat")
+
+
+def _up(args) -> int:
+    data_dir = Path(args.data_dir).resolve()
+    ports = SuitePorts.ephemeral() if args.ephemeral_ports else SuitePorts()
+    suite = Suite(data_dir, ports, model_path=Path(args.model_path) if args.model_path else None,
+                  engine_args=tuple(args.engine_arg))
+    stop = {"now": False}
+
+    def on_signal(signum, frame):
+        stop["now"] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        suite.start()
+        key = suite.issue_key()
+        print(f"\ntokenserve is up. Gateway: {suite.address('gateway')}  etcd: {suite.etcd_endpoint}")
+        print(f"Demo tenant '{DEMO_TENANT}' ({DEMO_TIER} tier) API key (shown once):\n  {key}\n")
+        print("Try it:\n  " + grpcurl_command(key, suite.address("gateway")) + "\n")
+        print("Admin: tsctl --endpoints " + suite.etcd_endpoint + " status\nPress Ctrl-C to stop.",
+              flush=True)
+        while True:
+            for name, proc in suite.procs.items():
+                if proc.poll() is not None:
+                    print(f"{name} exited with code {proc.returncode}; stopping everything",
+                          flush=True)
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\nstopping...", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError, OSError) as e:
+        print(f"tokenserve up failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        codes = suite.stop()
+        print("stopped: " + ", ".join(f"{n}={c}" for n, c in codes.items()), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run the whole suite on this machine")
+    up.add_argument("--data-dir", default="var", help="etcd data, meter db, logs (default: var)")
+    up.add_argument("--model-path", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    up.add_argument("--ephemeral-ports", action="store_true",
+                    help="pick free ports instead of the defaults 50051-50054 / 2379")
+    up.add_argument("--engine-arg", action="append", default=[],
+                    help="extra argument passed to the engine (repeatable)")
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        return _up(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""GrpcServer over real loopback gRPC: error mapping, health, reflection, graceful stop."""
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
+from tokenserve.runtime import errors
+from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
+
+SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+
+
+class RaisingEngine(engine_pb2_grpc.EngineServiceServicer):
+    """Raises whatever the request id names: pure test logic over the real runtime."""
+
+    async def GetInfo(self, request, context):
+        return engine_pb2.GetInfoResponse(model="m")
+
+    async def Generate(self, request, context):
+        yield engine_pb2.GenerateResponse(token_ids=[1], text="a")
+        kind = request.request_id
+        if kind == "invalid":
+            raise errors.InvalidArgument("max_tokens must be >= 1, got 0")
+        if kind == "exhausted":
+            raise errors.ResourceExhausted("queue full (256 waiting)", retry_after=1.5)
+        if kind == "bug":
+            raise RuntimeError("secret prompt text")
+        await asyncio.sleep(0.5)
+        yield engine_pb2.GenerateResponse(token_ids=[2], text="b")
+
+
+@pytest.fixture
+async def server():
+    srv = GrpcServer("test", [Registration(SERVICE, engine_pb2_grpc.add_EngineServiceServicer_to_server,
+                                           RaisingEngine())],
+                     ServerOptions(port=0, drain_seconds=0.3, grace_seconds=2))
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+async def _collect(stub, request_id):
+    got = []
+    call = stub.Generate(engine_pb2.GenerateRequest(request_id=request_id))
+    try:
+        async for msg in call:
+            got.append(msg.text)
+    except grpc.aio.AioRpcError as e:
+        return got, e
+    return got, None
+
+
+async def test_domain_errors_map_to_precise_status(server):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = engine_pb2_grpc.EngineServiceStub(ch)
+        got, err = await _collect(stub, "invalid")
+        assert got == ["a"]
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_tokens" in err.details()
+
+        got, err = await _collect(stub, "exhausted")
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(err.trailing_metadata())["retry-after-ms"] == "1500"
+
+        got, err = await _collect(stub, "bug")
+        assert err.code() == grpc.StatusCode.INTERNAL
+        assert "secret" not in err.details()
+
+        got, err = await _collect(stub, "ok")
+        assert got == ["a", "b"] and err is None
+
+
+async def test_health_and_reflection(server):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for name in ("", SERVICE):
+            resp = await health.Check(health_pb2.HealthCheckRequest(service=name))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        responses = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = set()
+        async for r in responses:
+            names |= {s.name for s in r.list_services_response.service}
+        assert SERVICE in names and "grpc.health.v1.Health" in names
+
+
+async def test_stop_goes_not_serving_then_lets_inflight_finish(server):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = engine_pb2_grpc.EngineServiceStub(ch)
+        inflight = asyncio.create_task(_collect(stub, "slow"))
+        await asyncio.sleep(0.1)
+        stopping = asyncio.create_task(server.stop())
+        await asyncio.sleep(0.1)
+        health = health_pb2_grpc.HealthStub(ch)
+        resp = await health.Check(health_pb2.HealthCheckRequest(service=""))
+        assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        got, err = await inflight
+        assert got == ["a", "b"] and err is None
+        await stopping
