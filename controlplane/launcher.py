@@ -25,10 +25,11 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from controlplane import admin
 from controlplane import seed as seeding
 from controlplane.etcd_local import EtcdProcess
-from controlplane.schema import Tenant, generate_api_key
 from controlplane.store import ConfigStore
+from tokenserve.runtime.errors import ServiceError
 from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default_model_path
 
 DEMO_TENANT = "demo"
@@ -84,7 +85,8 @@ class Suite:
         (self.data_dir / "logs").mkdir(exist_ok=True)
         self.say(f"starting etcd on {self.etcd_endpoint}")
         self.etcd = EtcdProcess(self.data_dir / "etcd", client_port=self.ports.etcd,
-                                peer_port=self.ports.etcd_peer)
+                                peer_port=self.ports.etcd_peer,
+                                log_path=self.data_dir / "logs" / "etcd.log")
         self.etcd.start()
         asyncio.run(self._seed())
         deadline = time.monotonic() + timeout
@@ -97,10 +99,9 @@ class Suite:
         store = ConfigStore([self.etcd_endpoint])
         try:
             await seeding.seed(store, actor="tokenserve-up")
-            tenant_key = f"tenants/{DEMO_TENANT}"
-            if await store.get(tenant_key) is None:
-                await store.put(tenant_key, Tenant(id=DEMO_TENANT, name="Demo tenant", tier=DEMO_TIER,
-                                                   enabled=True), actor="tokenserve-up")
+            if await store.get(f"tenants/{DEMO_TENANT}") is None:
+                await admin.create_tenant(store, DEMO_TENANT, "Demo tenant", DEMO_TIER,
+                                          actor="tokenserve-up")
         finally:
             await store.close()
 
@@ -110,8 +111,7 @@ class Suite:
         async def issue():
             store = ConfigStore([self.etcd_endpoint])
             try:
-                key, record = generate_api_key(tenant)
-                await store.put(f"keys/{record.key_hash}", record, actor="tokenserve-up")
+                key, _record, _revision = await admin.issue_key(store, tenant, actor="tokenserve-up")
                 return key
             finally:
                 await store.close()
@@ -175,7 +175,7 @@ class Suite:
 
     def _write_state(self):
         state = {"ports": asdict(self.ports), "pids": {n: p.pid for n, p in self.procs.items()},
-                 "etcd_pid": self.etcd.pid if self.etcd else None}
+                 "etcd_pid": self.etcd.process.pid if self.etcd and self.etcd.process else None}
         (self.data_dir / "up.json").write_text(json.dumps(state, indent=2))
 
     # -- stop ----------------------------------------------------------------------------
@@ -274,7 +274,7 @@ def _up(args) -> int:
     except KeyboardInterrupt:
         print("\nstopping...", flush=True)
         return 0
-    except (RuntimeError, TimeoutError, OSError) as e:
+    except (RuntimeError, TimeoutError, OSError, ServiceError) as e:
         print(f"tokenserve up failed: {e}", file=sys.stderr)
         return 1
     finally:

@@ -118,7 +118,9 @@ class GrpcServer:
         self._server: grpc.aio.Server | None = None
         self._stop_requested = asyncio.Event()
 
-    async def start(self) -> int:
+    async def start(self, *, serving: bool = True) -> int:
+        """Binds and starts; `serving=False` keeps health NOT_SERVING (e.g. while a model
+        loads) until `set_serving(True)`."""
         opts = self.options
         server = grpc.aio.server(
             interceptors=[ErrorInterceptor()],
@@ -141,7 +143,7 @@ class GrpcServer:
         self._server = server
         if opts.metrics_port is not None:
             self.metrics_port = start_metrics_server(opts.metrics_port, opts.host)
-        await self.set_serving(True)
+        await self.set_serving(serving)
         log.info("serving", service=self.service, port=self.port, metrics_port=self.metrics_port)
         return self.port
 

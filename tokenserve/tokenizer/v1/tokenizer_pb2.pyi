@@ -100,17 +100,19 @@ class GetTokenizerInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class GetTokenizerInfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "bos_token_id", "eos_token_id", "special_token_ids", "has_chat_template")
+    __slots__ = ("model", "vocab_size", "bos_token_id", "eos_token_id", "special_token_ids", "has_chat_template", "max_text_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEXT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     bos_token_id: int
     eos_token_id: int
     special_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_chat_template: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., special_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    max_text_bytes: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., special_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., max_text_bytes: _Optional[int] = ...) -> None: ...

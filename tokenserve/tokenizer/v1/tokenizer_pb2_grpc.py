@@ -28,6 +28,12 @@ if _version_not_supported:
 class TokenizerServiceStub:
     """Turns text into token ids and back, for every model the control plane lists.
     The one trusted source of token counts: quotas and billing depend on it.
+
+    Errors: INVALID_ARGUMENT for bad input (invalid UTF-8 naming the field, NUL characters,
+    text over the size limit with the limit in the message and in the `max-text-bytes` trailer,
+    an empty batch, a chat the template rejects naming the message index, token ids outside
+    the vocabulary naming the vocabulary size); NOT_FOUND for an unknown model, listing the
+    known ones; FAILED_PRECONDITION when a known model's artifact has no usable tokenizer.
     """
 
     def __init__(self, channel):
@@ -76,6 +82,12 @@ class TokenizerServiceStub:
 class TokenizerServiceServicer:
     """Turns text into token ids and back, for every model the control plane lists.
     The one trusted source of token counts: quotas and billing depend on it.
+
+    Errors: INVALID_ARGUMENT for bad input (invalid UTF-8 naming the field, NUL characters,
+    text over the size limit with the limit in the message and in the `max-text-bytes` trailer,
+    an empty batch, a chat the template rejects naming the message index, token ids outside
+    the vocabulary naming the vocabulary size); NOT_FOUND for an unknown model, listing the
+    known ones; FAILED_PRECONDITION when a known model's artifact has no usable tokenizer.
     """
 
     def Encode(self, request, context):
@@ -176,6 +188,12 @@ def add_TokenizerServiceServicer_to_server(servicer, server):
 class TokenizerService:
     """Turns text into token ids and back, for every model the control plane lists.
     The one trusted source of token counts: quotas and billing depend on it.
+
+    Errors: INVALID_ARGUMENT for bad input (invalid UTF-8 naming the field, NUL characters,
+    text over the size limit with the limit in the message and in the `max-text-bytes` trailer,
+    an empty batch, a chat the template rejects naming the message index, token ids outside
+    the vocabulary naming the vocabulary size); NOT_FOUND for an unknown model, listing the
+    known ones; FAILED_PRECONDITION when a known model's artifact has no usable tokenizer.
     """
 
     @staticmethod

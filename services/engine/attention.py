@@ -1,0 +1,160 @@
+"""Paged KV cache and attention over any mix of prefill and decode chunks.
+
+Cache layout per layer: K and V each [num_blocks, block_size, n_kv_heads, head_dim]. Position
+p of a sequence lives in block block_table[p // block_size] at offset p % block_size; its
+flat slot is block * block_size + offset. Attention reads only a sequence's own blocks.
+
+Token order inside a step (the runner builds it): all prefill chunks first, then all decode
+chunks (one token each), so decodes are one contiguous run [decode_start, T).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    """Pre-allocated paged K/V tensors for every layer."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: str):
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, n_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * n_kv_heads * head_dim * dtype.itemsize
+
+
+@dataclass
+class PrefillSpan:
+    """One multi-token chunk: queries are tokens [q_start, q_start + q_len) of the step,
+    at positions [start_pos, start_pos + q_len)."""
+
+    q_start: int
+    q_len: int
+    start_pos: int
+    # Blocks covering [0, start_pos + q_len); only read when start_pos > 0.
+    blocks: list[int]
+
+
+@dataclass
+class AttentionMetadata:
+    # Flat cache slot of every token of the step: [T].
+    slots: torch.Tensor
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    # Decode tokens are rows [decode_start, T).
+    decode_start: int = 0
+    # [B, max_blocks] block tables of the decode rows (padded with block 0).
+    decode_blocks: torch.Tensor | None = None
+    # [B, 1, 1, max_blocks * block_size] True where a key position is < the row's context length.
+    decode_mask: torch.Tensor | None = None
+    # Single decode row whose blocks are consecutive: (first block, context length); read as a view.
+    decode_contiguous: tuple[int, int] | None = None
+
+
+def build_metadata(spans: list[tuple[int, int, list[int]]], block_size: int,
+                   device: str) -> AttentionMetadata:
+    """spans: per chunk (start_pos, num_new_tokens, block_table), prefills before decodes."""
+    slots: list[int] = []
+    prefills: list[PrefillSpan] = []
+    decodes: list[tuple[int, list[int]]] = []
+    q_start = 0
+    for start_pos, n, table in spans:
+        for p in range(start_pos, start_pos + n):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        if n == 1 and start_pos > 0:
+            decodes.append((start_pos + 1, table))
+        else:
+            if decodes:
+                raise ValueError("prefill chunks must come before decode chunks")
+            prefills.append(PrefillSpan(q_start, n, start_pos, table))
+        q_start += n
+    meta = AttentionMetadata(slots=torch.tensor(slots, dtype=torch.long, device=device),
+                             prefills=prefills, decode_start=q_start - len(decodes))
+    if len(decodes) == 1 and _consecutive(decodes[0][1], decodes[0][0], block_size):
+        ctx, table = decodes[0]
+        meta.decode_contiguous = (table[0], ctx)
+    elif decodes:
+        nb = max(-(-ctx // block_size) for ctx, _ in decodes)
+        tables = [t[:nb] + [0] * (nb - min(nb, len(t))) for _, t in decodes]
+        meta.decode_blocks = torch.tensor(tables, dtype=torch.long, device=device)
+        ctx_lens = torch.tensor([ctx for ctx, _ in decodes], dtype=torch.long, device=device)
+        pos = torch.arange(nb * block_size, device=device)
+        meta.decode_mask = (pos[None, :] < ctx_lens[:, None])[:, None, None, :]
+    return meta
+
+
+def _consecutive(table: list[int], ctx: int, block_size: int) -> bool:
+    nb = -(-ctx // block_size)
+    return all(table[i] == table[0] + i for i in range(1, nb))
+
+
+def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] -> their slots in the paged cache."""
+    hkv, d = k.shape[1], k.shape[2]
+    cache_k.view(-1, hkv, d).index_copy_(0, slots, k)
+    cache_v.view(-1, hkv, d).index_copy_(0, slots, v)
+
+
+def _read(cache: torch.Tensor, blocks: list[int], ctx: int) -> torch.Tensor:
+    """A sequence's first ctx cached positions: [ctx, Hkv, D] (a view when blocks are consecutive)."""
+    bs = cache.shape[1]
+    nb = -(-ctx // bs)
+    if _consecutive(blocks, ctx, bs):
+        kv = cache[blocks[0]:blocks[0] + nb]
+    else:
+        kv = cache[torch.tensor(blocks[:nb], dtype=torch.long, device=cache.device)]
+    return kv.flatten(0, 1)[:ctx]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+           cache_v: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] (already written to the cache) -> [T, H * D]."""
+    t, h, d = q.shape
+    group = h // k.shape[1]
+    out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    for span in meta.prefills:
+        rows = slice(span.q_start, span.q_start + span.q_len)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if span.start_pos == 0:
+            ks, vs, mask = k[rows], v[rows], None  # [q, Hkv, D]
+        else:
+            ctx = span.start_pos + span.q_len
+            ks, vs = _read(cache_k, span.blocks, ctx), _read(cache_v, span.blocks, ctx)  # [ctx, Hkv, D]
+            qpos = torch.arange(span.start_pos, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [q, ctx]
+        # 4-D inputs with K/V repeated per query head: torch's CPU flash kernel is several
+        # times faster this way than with 3-D inputs or enable_gqa.
+        ks = ks.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)  # [1, H, ctx, D]
+        vs = vs.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
+                                           scale=scale)
+        out[rows] = o[0].transpose(0, 1)
+    start = meta.decode_start
+    if start < t:
+        b = t - start
+        qd = q[start:].view(b, h // group, group, d)  # [B, Hkv, G, D]
+        if meta.decode_contiguous is not None:
+            first, ctx = meta.decode_contiguous
+            nb = -(-ctx // cache_k.shape[1])
+            ks = cache_k[first:first + nb].flatten(0, 1)[:ctx].unsqueeze(0)  # [1, L, Hkv, D]
+            vs = cache_v[first:first + nb].flatten(0, 1)[:ctx].unsqueeze(0)
+            mask = None
+        else:
+            ks = cache_k[meta.decode_blocks].flatten(1, 2)  # [B, L, Hkv, D]
+            vs = cache_v[meta.decode_blocks].flatten(1, 2)
+            mask = meta.decode_mask  # [B, 1, 1, L]
+        # one query per row: plain matmuls beat the flash kernel here
+        scores = torch.matmul(qd, ks.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, L]
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:] = torch.matmul(probs, vs.transpose(1, 2)).view(b, h, d)  # [B, Hkv, G, D]
+    return out.view(t, h * d)

@@ -1,0 +1,81 @@
+"""Engine service configuration: one frozen dataclass, validated on construction.
+
+Values found at run time (KV block count, context length, device) are reported by
+GetInfo, never written back here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: Path
+    model_name: str = "smollm2-135m-instruct"
+    version: str = "q4_1"
+    host: str = "127.0.0.1"
+    port: int = 50053
+    # None: no /metrics endpoint.
+    metrics_port: int | None = 9103
+    device: str = "cpu"
+    dtype: str = "float32"
+    quantization: str = "none"
+    # Most requests running at once (batch rows); more wait, up to max_waiting.
+    max_concurrency: int = 64
+    max_waiting: int = 256
+    # Tokens computed per step across all requests: bounds how long one prefill chunk
+    # delays running decodes.
+    max_batched_tokens: int = 256
+    block_size: int = 16
+    # KV cache size; None: the runner sizes it from available memory.
+    kv_cache_mb: int | None = None
+    enable_prefix_caching: bool = True
+    # Power figure used for energy when no counter is readable (reported as estimated).
+    watts: float = 15.0
+    etcd_endpoints: tuple[str, ...] = ()
+    # Externally reachable address registered in etcd (default host:port).
+    advertise: str | None = None
+    grace_seconds: float = 5.0
+    drain_seconds: float = 1.0
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if not self.model_name or not self.version:
+            raise ValueError("model_name and version must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if self.device.split(":")[0] not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES} (optionally cuda:N), got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.max_concurrency < 1 or self.max_waiting < 0:
+            raise ValueError("max_concurrency must be >= 1 and max_waiting >= 0")
+        if self.max_batched_tokens < self.max_concurrency:
+            raise ValueError(f"max_batched_tokens ({self.max_batched_tokens}) must be >="
+                             f" max_concurrency ({self.max_concurrency}): every running request"
+                             " decodes one token per step")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
+            raise ValueError(f"kv_cache_mb must be >= 1, got {self.kv_cache_mb}")
+        if self.watts <= 0:
+            raise ValueError(f"watts must be > 0, got {self.watts}")
+        for ep in self.etcd_endpoints:
+            host, _, port = ep.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"etcd endpoint must be host:port, got {ep!r}")
+        if self.grace_seconds < 0 or self.drain_seconds < 0:
+            raise ValueError("grace_seconds and drain_seconds must be >= 0")
+
+    @property
+    def address(self) -> str:
+        return self.advertise or f"{self.host}:{self.port}"

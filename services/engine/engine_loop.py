@@ -1,0 +1,179 @@
+"""The step thread and the asyncio client that feeds it.
+
+All model compute runs on ONE dedicated thread (torch's OpenMP teams oversubscribe the
+cores when called from a changing pool of threads). The asyncio front never blocks it:
+requests and aborts go in through a thread-safe queue plus a wake-up event; each step's
+outputs come back with one `loop.call_soon_threadsafe` into per-request asyncio queues.
+When idle the thread sleeps on the event (no polling).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from services.engine.engine_core import EngineCore, RequestOutput
+from services.engine.sequence import FinishReason, Sequence
+from tokenserve.runtime.logging import get_logger
+
+log = get_logger(component="engine_loop")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Published by the step thread after every step (read from any thread)."""
+
+    running: int = 0
+    waiting: int = 0
+    blocks_free: int = 0
+    blocks_total: int = 0
+
+
+class EngineLoop:
+    """Owns the step thread. `build` runs on that thread (so model loading and every torch
+    call happen there); `deliver` is called on it with each step's outputs."""
+
+    def __init__(self, build: Callable[[], EngineCore],
+                 deliver: Callable[[list[RequestOutput]], None], name: str = "engine-step"):
+        self._build = build
+        self._deliver = deliver
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.core: EngineCore | None = None
+        self.stats = EngineStats()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, seq: Sequence) -> None:
+        self._inbox.put(("add", seq))
+        self._wake.set()
+
+    def abort(self, seq_id: int, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        self._inbox.put(("abort", seq_id, reason))
+        self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        """Commands not yet taken by the step thread (a bound on unseen new requests)."""
+        return self._inbox.qsize()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            self.core = self._build()
+        except BaseException as e:  # noqa: BLE001 - reported to whoever waits on ready
+            self.error = e
+            log.error("engine_build_failed", exc_type=type(e).__name__, error=str(e)[:500])
+            self.ready.set()
+            return
+        self._publish()
+        self.ready.set()
+        core = self.core
+        while not self._stop:
+            if not core.has_work() and self._inbox.empty():
+                self._wake.wait()
+            # cleared before draining: a submit after the drain sets it again
+            self._wake.clear()
+            outputs = self._drain(core)
+            try:
+                if core.has_work():
+                    outputs.extend(core.step())
+            except Exception as e:  # noqa: BLE001 - a core bug must not hang every stream
+                log.error("step_loop_error", exc_type=type(e).__name__, error=str(e)[:500])
+                outputs.extend(core.abort_all(FinishReason.ERROR))
+            self._publish()
+            if outputs:
+                self._deliver(outputs)
+
+    def _drain(self, core: EngineCore) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if cmd[0] == "add":
+                core.add(cmd[1])
+            elif (out := core.abort(cmd[1], cmd[2])) is not None:
+                outputs.append(out)
+
+    def _publish(self) -> None:
+        s, b = self.core.scheduler, self.core.scheduler.blocks
+        self.stats = EngineStats(running=s.num_running, waiting=s.num_waiting,
+                                 blocks_free=b.num_free_blocks, blocks_total=b.num_blocks)
+
+
+class AsyncEngine:
+    """The asyncio side: `generate(seq)` yields that request's outputs until it finishes;
+    leaving the iteration early (cancel, deadline, error) aborts it on the step thread."""
+
+    def __init__(self, build: Callable[[], EngineCore]):
+        self._queues: dict[int, asyncio.Queue] = {}
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count(1)
+        self.loop = EngineLoop(build, self._deliver)
+
+    def start(self) -> None:
+        self._aloop = asyncio.get_running_loop()
+        self.loop.start()
+
+    async def wait_ready(self) -> None:
+        """Returns once the core is built (model loaded); raises what building raised."""
+        await asyncio.to_thread(self.loop.ready.wait)
+        if self.loop.error is not None:
+            raise self.loop.error
+
+    @property
+    def is_ready(self) -> bool:
+        return self.loop.ready.is_set() and self.loop.error is None
+
+    def next_seq_id(self) -> int:
+        return next(self._ids)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.loop.stats.waiting + self.loop.pending
+
+    async def generate(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[seq.seq_id] = q
+        finished = False
+        try:
+            self.loop.submit(seq)
+            while not finished:
+                out: RequestOutput = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(seq.seq_id, None)
+            if not finished:
+                self.loop.abort(seq.seq_id)
+
+    def stop(self) -> None:
+        self.loop.stop()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # step thread -> event loop, once per step
+        try:
+            self._aloop.call_soon_threadsafe(self._dispatch, outputs)
+        except RuntimeError:  # event loop closed during shutdown: nobody is listening
+            pass
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._queues.get(out.seq_id)
+            if q is not None:
+                q.put_nowait(out)

@@ -1,0 +1,198 @@
+"""`python -m services.engine`: flags -> EngineConfig -> gRPC server + step thread.
+
+Start-up order, so launchers can watch: the gRPC server binds first with health
+NOT_SERVING, the model loads on the step thread (progress in the log), then health goes
+SERVING and the engine registers in etcd (when --etcd-endpoints is given). SIGTERM: health
+NOT_SERVING, drain, in-flight streams finish within the grace period, registration revoked,
+step thread stopped, exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import sys
+from pathlib import Path
+
+from services.engine.block_manager import BlockManager
+from services.engine.config import EngineConfig
+from services.engine.energy import energy_source
+from services.engine.engine_core import EngineCore
+from services.engine.engine_loop import AsyncEngine
+from services.engine.metrics import EngineMetrics
+from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.servicer import SERVICE_NAME, EngineServicer, ModelInfo
+from services.engine.text import text_stream_factory
+from tokenserve.engine.v1 import engine_pb2_grpc
+from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default_model_path
+from tokenserve.runtime.logging import configure_logging, get_logger
+from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
+
+log = get_logger(component="engine.main")
+
+# Seconds between etcd registration attempts while etcd is unreachable.
+_REGISTER_RETRY_SECONDS = 2.0
+
+
+def parse_args(argv: list[str] | None = None) -> EngineConfig:
+    p = argparse.ArgumentParser(prog="python -m services.engine",
+                                description="tokenserve engine: serves one model version over gRPC")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50053)
+    p.add_argument("--metrics-port", type=int, default=9103, help="-1 disables /metrics")
+    p.add_argument("--model-path", type=Path, default=None,
+                   help="GGUF file or Hugging Face folder (default: the bundled SmolLM2)")
+    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
+    p.add_argument("--version", default=DEFAULT_MODEL_VERSION)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default="none", help="none | int8 (weight-only)")
+    p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument("--max-waiting", type=int, default=256)
+    p.add_argument("--max-batched-tokens", type=int, default=256,
+                   help="tokens per step (the prefill chunk bound)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-mb", type=int, default=None,
+                   help="KV cache size (default: sized from available memory)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--watts", type=float, default=15.0,
+                   help="power figure for energy when no RAPL counter is readable")
+    p.add_argument("--etcd-endpoints", default="", help="host:port[,host:port...]")
+    p.add_argument("--advertise", default=None, help="host:port registered in etcd")
+    p.add_argument("--grace-seconds", type=float, default=5.0)
+    p.add_argument("--drain-seconds", type=float, default=1.0)
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    try:
+        return EngineConfig(
+            model_path=a.model_path or default_model_path(), model_name=a.model_name,
+            version=a.version, host=a.host, port=a.port,
+            metrics_port=None if a.metrics_port < 0 else a.metrics_port, device=a.device,
+            dtype=a.dtype, quantization=a.quantization, max_concurrency=a.max_concurrency,
+            max_waiting=a.max_waiting, max_batched_tokens=a.max_batched_tokens,
+            block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
+            enable_prefix_caching=not a.no_prefix_caching, watts=a.watts,
+            etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
+            advertise=a.advertise, grace_seconds=a.grace_seconds, drain_seconds=a.drain_seconds,
+            log_level=a.log_level)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
+
+
+def build_core(config: EngineConfig) -> EngineCore:
+    """Runs on the step thread: every torch call (loading included) happens there."""
+    from services.engine.runner import ModelRunner  # torch: only on the step thread's path
+    from tokenserve.tokenization import load_model_tokenizer
+
+    last = [-1]
+
+    def progress(done: int, total: int) -> None:
+        pct = 100 * done // max(1, total)
+        if pct // 5 != last[0] // 5 or done == total:
+            last[0] = pct
+            log.info("model_load_progress", done=done, total=total, percent=pct)
+
+    log.info("model_loading", path=str(config.model_path), device=config.device, dtype=config.dtype)
+    runner = ModelRunner(
+        config.model_path, device=config.device, dtype=config.dtype,
+        quantization=config.quantization, block_size=config.block_size,
+        kv_cache_bytes=config.kv_cache_mb * 2**20 if config.kv_cache_mb else None,
+        max_num_seqs=config.max_concurrency, progress=progress)
+    tokenizer = load_model_tokenizer(config.model_path)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=config.max_concurrency,
+                        max_num_batched_tokens=config.max_batched_tokens,
+                        max_waiting=config.max_waiting, max_model_len=runner.max_context),
+        BlockManager(runner.num_blocks, runner.block_size,
+                     enable_prefix_caching=config.enable_prefix_caching),
+        frozenset(runner.eos_token_ids))
+    log.info("model_loaded", model=config.model_name, version=config.version,
+             load_seconds=round(runner.load_seconds, 2), kv_blocks=runner.num_blocks,
+             block_size=runner.block_size, max_context=runner.max_context)
+    return EngineCore(runner, scheduler, text_stream=text_stream_factory(tokenizer),
+                      energy=energy_source(config.watts), observer=EngineMetrics())
+
+
+def model_info(config: EngineConfig, core: EngineCore) -> ModelInfo:
+    r = core.runner
+    return ModelInfo(model=config.model_name, version=config.version, max_context=r.max_context,
+                     vocab_size=r.vocab_size, eos_token_ids=frozenset(r.eos_token_ids),
+                     device=str(r.device), dtype=str(r.dtype), block_size=r.block_size,
+                     num_blocks=r.num_blocks, max_concurrency=config.max_concurrency,
+                     max_waiting=config.max_waiting)
+
+
+async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event | None = None) -> int:
+    """Runs until SIGTERM/SIGINT; returns the process exit code."""
+    engine = AsyncEngine(lambda: build(config))
+    servicer = EngineServicer(engine)
+    registration: list = []  # the etcd handle, once registered
+
+    async def stop_engine():
+        for handle in registration:
+            await handle.close()
+        await asyncio.to_thread(engine.stop)
+
+    server = GrpcServer(
+        "engine", [Registration(SERVICE_NAME, engine_pb2_grpc.add_EngineServiceServicer_to_server,
+                                servicer)],
+        ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
+                      grace_seconds=config.grace_seconds, drain_seconds=config.drain_seconds),
+        on_stop=[stop_engine])
+    await server.start(serving=False)
+    engine.start()
+    failed = []
+
+    async def load_then_serve():
+        try:
+            await engine.wait_ready()
+        except Exception as e:  # noqa: BLE001 - reported, then the process exits non-zero
+            log.error("model_load_failed", exc_type=type(e).__name__, error=str(e)[:500])
+            failed.append(e)
+            server.request_stop()
+            return
+        servicer.info = model_info(config, engine.loop.core)
+        await server.set_serving(True)
+        log.info("engine_ready", port=server.port, **{k: v for k, v in vars(servicer.info).items()
+                                                      if k != "eos_token_ids"})
+        if ready is not None:
+            ready.set()
+        if config.etcd_endpoints:
+            await _register(config, server.port, registration)
+
+    task = asyncio.create_task(load_then_serve())
+    try:
+        await server.run()
+    finally:
+        task.cancel()
+    return 1 if failed else 0
+
+
+async def _register(config: EngineConfig, port: int, out: list) -> None:
+    """Registers under a lease; retries while etcd is unreachable (serving goes on)."""
+    from controlplane.registry import register
+    from controlplane.schema import EngineRegistration
+
+    endpoint = config.advertise or f"{config.host}:{port}"
+    reg = EngineRegistration(
+        id=f"{config.model_name}-{config.version}-{socket.gethostname()}-{port}".replace("/", "-")[:128],
+        endpoint=endpoint, model=config.model_name, version=config.version,
+        capacity=config.max_concurrency)
+    while True:
+        try:
+            out.append(await register(list(config.etcd_endpoints), "engines", reg))
+            return
+        except Exception as e:  # noqa: BLE001 - etcd down must not stop serving
+            log.warning("engine_register_failed", error=str(e)[:200],
+                        retry_seconds=_REGISTER_RETRY_SECONDS)
+            await asyncio.sleep(_REGISTER_RETRY_SECONDS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    configure_logging("engine", config.log_level)
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Llama-family decoder in plain PyTorch over a flat token batch and a paged KV cache.
+
+RMSNorm, RoPE (rotate-half layout, model theta, linear / llama3 scaling or GGUF rope_freqs),
+grouped-query attention, SwiGLU, tied or separate output embedding. Q/K/V and gate/up are
+fused into one matmul each. Every forward works on all tokens of a step at once, so a batch of
+decodes reads each weight once.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.attention import AttentionMetadata, KVCache, attend, write_kv
+from services.engine.loader import LoadedWeights, ModelConfig
+from services.engine.quant import make_linear
+
+
+class LlamaModel:
+    """Weights plus forward(); holds no per-request state (that lives in the KV cache)."""
+
+    def __init__(self, loaded: LoadedWeights, *, dtype: torch.dtype = torch.float32,
+                 quantization: str = "none", device: str = "cpu"):
+        c = self.config = loaded.config
+        t = loaded.tensors
+        self.dtype, self.device = dtype, device
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+
+        def dense(w: torch.Tensor) -> torch.Tensor:
+            return w.to(device=device, dtype=dtype).contiguous()
+
+        def lin(w: torch.Tensor):
+            return make_linear(w, quantization=quantization, dtype=dtype, device=device)
+
+        self.embed = dense(t["embed"])  # [V, E]
+        self.lm_head = lin(t["embed"] if c.tie_embeddings else t["lm_head"])
+        self.norm = dense(t["norm"])
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            self.layers.append(_Layer(
+                attn_norm=dense(t[p + "attn_norm"]), ffn_norm=dense(t[p + "ffn_norm"]),
+                qkv=lin(torch.cat([t[p + "wq"], t[p + "wk"], t[p + "wv"]])),
+                o=lin(t[p + "wo"]),
+                gate_up=lin(torch.cat([t[p + "w_gate"], t[p + "w_up"]])),
+                down=lin(t[p + "w_down"]),
+            ))
+        cos, sin = rope_tables(c, t.get("rope_freqs"))
+        self.rope_cos = cos.to(device=device, dtype=dtype)  # [max_position, D]
+        self.rope_sin = sin.to(device=device, dtype=dtype)  # [max_position, D], first half negated
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: KVCache, logit_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; logit_rows: [S] rows whose next-token logits are wanted.
+        Returns float32 logits [S, V]."""
+        c = self.config
+        t = input_ids.shape[0]
+        nq = c.num_heads + c.num_kv_heads  # heads that get RoPE
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        x = F.embedding(input_ids, self.embed)  # [T, E]
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (c.hidden_size,), layer.attn_norm, c.rms_eps)
+            qkv = layer.qkv(h)  # [T, (H + 2 Hkv) D]
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, nq, c.head_dim)
+            qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)  # RoPE, rotate-half
+            q = qk[:, :c.num_heads]
+            k = qk[:, c.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:].view(t, c.num_kv_heads, c.head_dim)
+            write_kv(kv.k[i], kv.v[i], k, v, meta.slots)
+            x = x + layer.o(attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale))
+            h = F.rms_norm(x, (c.hidden_size,), layer.ffn_norm, c.rms_eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        x = F.rms_norm(x[logit_rows], (c.hidden_size,), self.norm, c.rms_eps)
+        return self.lm_head(x).float()
+
+
+class _Layer:
+    __slots__ = ("attn_norm", "ffn_norm", "qkv", "o", "gate_up", "down")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def rope_tables(c: ModelConfig, rope_freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, signed sin: [max_position, head_dim] in float32 (rotate-half layout).
+
+    x_rot = x * cos + roll(x, D/2) * sin_signed equals HF's x * cos + rotate_half(x) * sin.
+    """
+    d = c.head_dim
+    # float32 throughout, as transformers computes it, so positions far out round the same way.
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [D/2]
+    scaling = c.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_freqs is not None:  # GGUF llama3-style models ship the per-frequency divisors
+        inv_freq = inv_freq / rope_freqs.float()
+    elif kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif kind not in ("default", None):
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    pos = torch.arange(c.max_position, dtype=torch.int64).float()
+    angles = pos[:, None] * inv_freq[None, :]  # [P, D/2]
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)

@@ -1,0 +1,165 @@
+"""ModelRunner: the engine core's only door to torch.
+
+    runner = ModelRunner(path, dtype="float32", quantization="none", block_size=16)
+    out = runner.execute(batch)   # computes KV for every chunk, samples where chunk.sample
+
+Call it from one dedicated thread (torch's OpenMP team is bound to the calling thread).
+The KV cache is paged: per layer K and V are [num_blocks, block_size, n_kv_heads, head_dim];
+the scheduler owns block allocation and hands each chunk its block_table.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from services.engine.attention import KVCache, build_metadata
+from services.engine.interface import Batch, RunnerOutput, SeqChunk
+from services.engine.loader import ModelLoadError, load_weights
+from services.engine.model import LlamaModel
+from services.engine.quant import QUANTIZATIONS
+from services.engine.sampler import Sampler
+from tokenserve.runtime.logging import get_logger
+
+log = get_logger(component="engine.runner")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Auto-sized KV cache on the CPU: this share of available RAM, at most this many bytes.
+_CPU_KV_FRACTION = 0.25
+_CPU_KV_CAP_BYTES = 2 << 30
+_GPU_KV_FRACTION = 0.8
+
+
+class ModelRunner:
+    """Loads the model once and runs steps.
+
+    Attributes the engine core reads: block_size, num_blocks, max_context, vocab_size,
+    eos_token_ids, device, dtype, quantization, model_name, load_seconds.
+    Raises ModelLoadError (path + reason) when the model cannot be served.
+    """
+
+    def __init__(self, model_path: str | Path, *, device: str = "cpu", dtype: str = "float32",
+                 quantization: str = "none", block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_bytes: int | None = None, max_num_seqs: int = 64,
+                 progress: Callable[[int, int], None] | None = None,
+                 num_threads: int | None = None, seed: int | None = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if device == "cpu":
+            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        t0 = time.perf_counter()
+        loaded = load_weights(model_path, progress)
+        c = loaded.config
+        try:
+            with torch.inference_mode():
+                self.model = LlamaModel(loaded, dtype=DTYPES[dtype], quantization=quantization, device=device)
+        except ValueError as e:  # e.g. an unsupported rope scaling
+            raise ModelLoadError(model_path, str(e)) from e
+        del loaded
+
+        self.device, self.dtype, self.quantization = device, dtype, quantization
+        self.block_size = block_size
+        self.vocab_size = c.vocab_size
+        self.eos_token_ids = tuple(c.eos_token_ids)
+        self.model_name = c.name
+        self.config = c
+        per_block = KVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads, c.head_dim, DTYPES[dtype])
+        self.num_blocks = num_blocks or self._auto_blocks(per_block, kv_cache_bytes, max_num_seqs, c.max_position)
+        if self.num_blocks < 1:
+            raise ValueError(f"KV cache too small: kv_cache_bytes must allow one block of {per_block} bytes")
+        self.kv = KVCache(c.num_layers, self.num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                          DTYPES[dtype], device)
+        self.max_context = min(c.max_position, self.num_blocks * block_size)
+        self.sampler = Sampler(device, seed)
+        self.load_seconds = time.perf_counter() - t0
+        log.info("runner_ready", model=self.model_name, dtype=dtype, quantization=quantization,
+                 num_blocks=self.num_blocks, block_size=block_size, max_context=self.max_context,
+                 kv_cache_mib=round(self.num_blocks * per_block / 2**20, 1),
+                 load_seconds=round(self.load_seconds, 2), threads=torch.get_num_threads())
+
+    def _auto_blocks(self, per_block: int, kv_bytes: int | None, max_num_seqs: int, max_pos: int) -> int:
+        if kv_bytes is None:
+            if self.device.startswith("cuda"):
+                free, _ = torch.cuda.mem_get_info()
+                kv_bytes = int(free * _GPU_KV_FRACTION)
+            else:
+                kv_bytes = min(int(_available_ram() * _CPU_KV_FRACTION), _CPU_KV_CAP_BYTES)
+            # Never more than every sequence at full context would use.
+            kv_bytes = min(kv_bytes, max_num_seqs * max_pos // self.block_size * per_block)
+        return kv_bytes // per_block
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> RunnerOutput:
+        """Compute KV for every chunk; sample one token for each chunk with sample=True.
+
+        Chunks may mix prefills (any length, start_pos > 0 allowed) and decodes (one token).
+        Returns RunnerOutput.sampled keyed by seq_id.
+        """
+        t0 = time.perf_counter()
+        self.sampler.forget(batch.finished_seq_ids)
+        if not batch.chunks:
+            return RunnerOutput(sampled={}, seconds=0.0)
+        # prefills first, then decodes (attention handles each group its own way)
+        chunks = sorted(batch.chunks, key=_is_decode)
+        ids: list[int] = []
+        positions: list[int] = []
+        spans = []
+        rows: list[int] = []
+        sample_chunks: list[SeqChunk] = []
+        for c in chunks:
+            self._check(c)
+            n = len(c.token_ids)
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, c.start_pos + n))
+            spans.append((c.start_pos, n, c.block_table))
+            if c.sample:
+                rows.append(len(ids) - 1)
+                sample_chunks.append(c)
+        dev = self.device
+        meta = build_metadata(spans, self.block_size, dev)
+        logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
+                                    torch.tensor(positions, dtype=torch.long, device=dev),
+                                    meta, self.kv, torch.tensor(rows, dtype=torch.long, device=dev))
+        sampled = {}
+        if sample_chunks:
+            tokens = self.sampler.sample(logits, sample_chunks)
+            sampled = {c.seq_id: t for c, t in zip(sample_chunks, tokens)}
+        return RunnerOutput(sampled=sampled, seconds=time.perf_counter() - t0)
+
+    def _check(self, c: SeqChunk) -> None:
+        """Scheduler bugs surface here as ValueError rather than as silent cache corruption."""
+        n = len(c.token_ids)
+        end = c.start_pos + n
+        if n == 0:
+            raise ValueError(f"seq {c.seq_id}: chunk has no tokens")
+        if c.start_pos < 0 or end > self.max_context:
+            raise ValueError(f"seq {c.seq_id}: positions [{c.start_pos}, {end}) exceed max_context {self.max_context}")
+        need = -(-end // self.block_size)
+        if len(c.block_table) < need:
+            raise ValueError(f"seq {c.seq_id}: block_table has {len(c.block_table)} blocks, needs {need}")
+        if any(b < 0 or b >= self.num_blocks for b in c.block_table[:need]):
+            raise ValueError(f"seq {c.seq_id}: block id out of range [0, {self.num_blocks})")
+        if any(t < 0 or t >= self.vocab_size for t in c.token_ids):
+            raise ValueError(f"seq {c.seq_id}: token id out of range [0, {self.vocab_size})")
+
+
+def _is_decode(c: SeqChunk) -> bool:
+    return len(c.token_ids) == 1 and c.start_pos > 0
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30

@@ -1,0 +1,135 @@
+"""Next-token sampling for a batch of sequences, vectorised over the batch.
+
+Order per row: penalties (repetition over prompt + output, presence / frequency over output)
+-> logprobs (of the penalised distribution at temperature 1) -> greedy argmax, or temperature
+-> min_p -> top_k -> top_p -> one draw by inverse CDF.
+
+Each draw takes exactly one uniform number from the sequence's own torch.Generator (seeded
+sequences) or from the sampler's shared one, so a seeded request gives the same tokens
+whatever else is in the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from services.engine.interface import SampledToken, SamplingParams, SeqChunk, TopLogprob
+
+
+class Sampler:
+    def __init__(self, device: str = "cpu", seed: int | None = None):
+        self.device = device
+        self._shared = torch.Generator(device="cpu")
+        if seed is None:
+            self._shared.seed()
+        else:
+            self._shared.manual_seed(seed)
+        self._seeded: dict[int, torch.Generator] = {}
+
+    def forget(self, seq_ids) -> None:
+        """Drop per-sequence generators of finished sequences."""
+        for s in seq_ids:
+            self._seeded.pop(s, None)
+
+    def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._shared
+        g = self._seeded.get(seq_id)
+        if g is None:
+            g = self._seeded[seq_id] = torch.Generator(device="cpu")
+            g.manual_seed(params.seed)
+        return g
+
+    def sample(self, logits: torch.Tensor, chunks: list[SeqChunk]) -> list[SampledToken]:
+        """logits: float32 [S, V], row i belongs to chunks[i]. Returns one token per row."""
+        params = [c.sampling for c in chunks]
+        logits = apply_penalties(logits, chunks)
+        want_lp = any(p.logprobs for p in params)
+        logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+
+        token_ids = torch.argmax(logits, dim=-1)  # greedy for every row; sampled rows overwritten
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            u = torch.cat([torch.rand(1, generator=self._generator(chunks[i].seq_id, params[i]))
+                           for i in rows]).to(logits.device)
+            token_ids[rows] = sample_rows(logits[rows], [params[i] for i in rows], u)
+
+        ids = token_ids.tolist()
+        out: list[SampledToken] = []
+        top_n = max((p.top_logprobs for p in params if p.logprobs), default=0)
+        top = torch.topk(logprobs, top_n, dim=-1) if want_lp and top_n > 0 else None
+        chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist() if want_lp else None
+        for i, (tid, p) in enumerate(zip(ids, params)):
+            if not p.logprobs:
+                out.append(SampledToken(tid))
+                continue
+            alts: tuple[TopLogprob, ...] = ()
+            if top is not None and p.top_logprobs > 0:
+                vals = top.values[i, :p.top_logprobs].tolist()
+                idx = top.indices[i, :p.top_logprobs].tolist()
+                alts = tuple(TopLogprob(t, v) for t, v in zip(idx, vals))
+            out.append(SampledToken(tid, chosen[i], alts))
+        return out
+
+
+def apply_penalties(logits: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
+    """Repetition (HF/vLLM style, prompt + output), presence and frequency (output only)."""
+    rows = [i for i, c in enumerate(chunks)
+            if c.sampling.repetition_penalty != 1.0 or c.sampling.presence_penalty != 0.0
+            or c.sampling.frequency_penalty != 0.0]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    v = logits.shape[1]
+    dev = logits.device
+    sub = logits[rows]  # [R, V]
+    out_counts = torch.zeros_like(sub)
+    seen = torch.zeros(sub.shape, dtype=torch.bool, device=dev)
+    for r, i in enumerate(rows):
+        c = chunks[i]
+        out_ids = torch.tensor(c.output_token_ids, dtype=torch.long, device=dev)
+        prompt_ids = torch.tensor(c.prompt_token_ids, dtype=torch.long, device=dev)
+        out_ids, prompt_ids = out_ids[out_ids < v], prompt_ids[prompt_ids < v]
+        out_counts[r].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=sub.dtype))
+        seen[r, out_ids] = True
+        seen[r, prompt_ids] = True
+    rep = torch.tensor([chunks[i].sampling.repetition_penalty for i in rows], device=dev)[:, None]
+    pres = torch.tensor([chunks[i].sampling.presence_penalty for i in rows], device=dev)[:, None]
+    freq = torch.tensor([chunks[i].sampling.frequency_penalty for i in rows], device=dev)[:, None]
+    penalised = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalised, sub)
+    sub = sub - freq * out_counts - pres * (out_counts > 0).to(sub.dtype)
+    logits[rows] = sub
+    return logits
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """logits: [R, V] of non-greedy rows; u: [R] uniforms in [0, 1). Returns token ids [R]."""
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    probs = torch.softmax(logits / temp, dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=dev)
+    if bool((min_p > 0).any()):
+        floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
+    need_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+    if need_sort:
+        probs, order = torch.sort(probs, dim=-1, descending=True)  # [R, V]
+        v = probs.shape[1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else v for p in params], device=dev)
+        rank = torch.arange(v, device=dev)[None, :]
+        probs = torch.where(rank < top_k[:, None], probs, torch.zeros_like(probs))
+        top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
+        total = probs.sum(dim=-1, keepdim=True)
+        # Keep a token while the mass before it is below top_p (the first token always stays).
+        probs = torch.where(before < top_p * total, probs, torch.zeros_like(probs))
+    cdf = torch.cumsum(probs, dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    pick = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[1] - 1)
+    # A row whose chosen slot has zero probability (rounding at the very top of the CDF)
+    # falls back to its last non-zero token.
+    pick = torch.where(probs.gather(1, pick) > 0, pick,
+                       (probs > 0).int().cumsum(-1).argmax(dim=-1, keepdim=True))
+    if need_sort:
+        pick = order.gather(1, pick)
+    return pick.squeeze(1)

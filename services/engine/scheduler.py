@@ -1,0 +1,231 @@
+"""Decides what each engine step computes: continuous batching under one token budget.
+
+Every step: running sequences first (decodes before unfinished prefills, so a long prompt
+delays decodes by at most one chunk), then waiting ones are admitted while slots, budget
+and KV blocks last. A sequence gets min(remaining tokens, budget left) tokens, which is
+chunked prefill, decode (1 token) and recompute after preemption under one rule.
+
+Policies:
+- priority: higher `priority` is scheduled, admitted and kept first; when KV blocks run
+  out the lowest-priority (then youngest) running sequence is preempted and recomputed.
+- fair share: among waiting sequences of the top priority, the tenant with the fewest
+  running sequences is admitted next (ties: the tenant admitted least recently), FIFO
+  within a tenant, so no tenant starves another of the same priority.
+
+Pure Python (no torch); unit-tested with hand-built runner outputs.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from services.engine.block_manager import BlockManager
+from services.engine.interface import Batch, RunnerOutput, SeqChunk
+from services.engine.sequence import FinishReason, SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # Most sequences running at once (batch rows).
+    max_num_seqs: int = 64
+    # Tokens computed per step across all sequences (the chunked-prefill budget).
+    max_num_batched_tokens: int = 256
+    # Most sequences waiting; beyond it add() is refused (the front returns RESOURCE_EXHAUSTED).
+    max_waiting: int = 256
+    # Model context: a sequence stops with LENGTH when it fills it.
+    max_model_len: int = 2048
+    # Free blocks kept back when admitting new sequences, so running ones can grow.
+    admission_reserve_blocks: int = 0
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every running"
+                             f" sequence can decode each step ({self.max_num_batched_tokens}"
+                             f" < {self.max_num_seqs})")
+        if self.max_waiting < 0 or self.max_model_len < 2 or self.admission_reserve_blocks < 0:
+            raise ValueError("max_waiting and admission_reserve_blocks must be >= 0,"
+                             " max_model_len >= 2")
+
+
+@dataclass
+class TokenEvent:
+    """One sequence's result from a step: the token sampled (if any) and whether it ended."""
+
+    seq: Sequence
+    token_id: int | None
+    num_computed: int  # tokens whose KV this step computed (energy attribution)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager,
+                 eos_token_ids: frozenset[int] | set[int] = frozenset()):
+        self.config = config
+        self.blocks = blocks
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._by_id: dict[int, Sequence] = {}
+        self._finished_ids: list[int] = []
+        self._tenant_last_admit: dict[str, int] = {}
+        self._admit_counter = itertools.count()
+        self.num_preemptions = 0
+
+    # -- requests in and out ------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def can_add(self) -> bool:
+        return len(self.waiting) < self.config.max_waiting
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self._by_id:
+            raise ValueError(f"sequence {seq.seq_id} already scheduled")
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+        self._by_id[seq.seq_id] = seq
+
+    def get(self, seq_id: int) -> Sequence | None:
+        return self._by_id.get(seq_id)
+
+    def finish(self, seq: Sequence, reason: FinishReason, now: float | None = None) -> None:
+        """Ends seq: frees its blocks at once (they return to the pool this step)."""
+        if seq.finished:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_at = now
+        del self._by_id[seq.seq_id]
+        self._finished_ids.append(seq.seq_id)
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self, now: float = 0.0) -> Batch:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        chunks: list[SeqChunk] = []
+        # decodes first, then unfinished prefills; each by priority then age
+        self.running.sort(key=lambda s: (s.num_remaining > 1, -s.priority, s.arrival))
+        scheduled: set[int] = set()
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_remaining, budget)
+            while not self.blocks.allocate(seq, n):
+                victim = self._pick_victim(scheduled)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                chunks.append(self._chunk(seq, n, now))
+                scheduled.add(seq.seq_id)
+                budget -= n
+                i += 1
+                continue
+            # seq itself was preempted: running[i] is now the next one
+        if not preempted:
+            budget = self._admit(chunks, budget, now)
+        # Ended sequences reach the runner with the next batch that has work.
+        finished: list[int] = []
+        if chunks:
+            finished, self._finished_ids = self._finished_ids, []
+        return Batch(chunks=chunks, finished_seq_ids=finished)
+
+    def _admit(self, chunks: list[SeqChunk], budget: int, now: float) -> int:
+        cfg = self.config
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self._next_waiting()
+            cached = self.blocks.find_cached_prefix(seq)
+            n = min(seq.num_remaining - len(cached) * self.blocks.block_size, budget)
+            if not self.blocks.allocate(seq, n, cached, reserve=cfg.admission_reserve_blocks):
+                break
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self._tenant_last_admit[seq.tenant_id] = next(self._admit_counter)
+            chunks.append(self._chunk(seq, n, now))
+            budget -= n
+        return budget
+
+    def _next_waiting(self) -> Sequence:
+        top = max(s.priority for s in self.waiting)
+        running_per_tenant: dict[str, int] = {}
+        for s in self.running:
+            running_per_tenant[s.tenant_id] = running_per_tenant.get(s.tenant_id, 0) + 1
+        return min((s for s in self.waiting if s.priority == top),
+                   key=lambda s: (running_per_tenant.get(s.tenant_id, 0),
+                                  self._tenant_last_admit.get(s.tenant_id, -1), s.arrival))
+
+    def _pick_victim(self, scheduled: set[int]) -> Sequence:
+        """Lowest priority, then youngest, among running sequences not yet in this batch."""
+        candidates = [s for s in self.running if s.seq_id not in scheduled]
+        return min(candidates, key=lambda s: (s.priority, -s.arrival))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop its KV, send it back to the head of the queue."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, seq)
+
+    def _chunk(self, seq: Sequence, n: int, now: float) -> SeqChunk:
+        start = seq.num_computed_tokens
+        if seq.first_scheduled_at is None:
+            seq.first_scheduled_at = now
+        return SeqChunk(seq_id=seq.seq_id, token_ids=seq.tokens(start, start + n),
+                        start_pos=start, block_table=seq.block_table,
+                        sample=start + n == seq.num_tokens, sampling=seq.sampling,
+                        prompt_token_ids=seq.prompt_token_ids,
+                        output_token_ids=seq.output_token_ids)
+
+    def update(self, batch: Batch, output: RunnerOutput, now: float = 0.0) -> list[TokenEvent]:
+        """Applies a step's results: advances progress, appends sampled tokens, and ends
+        sequences on EOS, a stop token id, max_tokens or a full context."""
+        events: list[TokenEvent] = []
+        for chunk in batch.chunks:
+            seq = self._by_id.get(chunk.seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += len(chunk.token_ids)
+            self.blocks.cache_full_blocks(seq)
+            if not chunk.sample:
+                events.append(TokenEvent(seq, None, len(chunk.token_ids)))
+                continue
+            tok = output.sampled[chunk.seq_id].token_id
+            seq.output_token_ids.append(tok)
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            seq.last_token_at = now
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                self.finish(seq, reason, now)
+            events.append(TokenEvent(seq, tok, len(chunk.token_ids)))
+        return events
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
+        stop = seq.stop
+        if tok in stop.stop_token_ids or (not stop.ignore_eos and tok in self.eos_token_ids):
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= stop.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,3 @@
+from services.gateway.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""Gateway settings, validated on construction (main.py is the only place that reads flags)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tokenserve.models import DEFAULT_MODEL_NAME
+
+_ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
+
+
+def check_endpoint(what: str, value: str) -> None:
+    m = _ENDPOINT_RE.match(value)
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        raise ValueError(f"{what} must be host:port with a port in 1-65535, got {value!r}")
+
+
+@dataclass(frozen=True)
+class StaticEngine:
+    """An engine given on the command line (`--engine model=version=host:port`), routed to
+    even when no engine registered itself in etcd."""
+
+    model: str
+    version: str
+    endpoint: str
+
+    def __post_init__(self):
+        if not self.model or not self.version:
+            raise ValueError("--engine must be model=version=host:port")
+        check_endpoint("--engine endpoint", self.endpoint)
+
+    @classmethod
+    def parse(cls, text: str) -> "StaticEngine":
+        parts = text.split("=")
+        if len(parts) != 3:
+            raise ValueError(f"--engine must be model=version=host:port, got {text!r}")
+        return cls(*parts)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    # None: no /metrics endpoint; 0: any free port.
+    metrics_port: int | None = 9101
+    etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    tokenizer: str = "127.0.0.1:50052"
+    meter: str = "127.0.0.1:50054"
+    engines: tuple[StaticEngine, ...] = ()
+    # Last known good control-plane config (start from it when etcd is down).
+    snapshot_path: str = "var/gateway-config.json"
+    spool_path: str = "var/gateway-spool.db"
+    default_model: str = DEFAULT_MODEL_NAME
+    # Deadline applied when the caller sets none.
+    request_timeout_seconds: float = 30.0
+    # Engines tried per request when they answer UNAVAILABLE before the first token.
+    max_engine_attempts: int = 3
+    # Usage sender: events per RecordUsage call, and the longest wait between retries.
+    spool_batch_size: int = 500
+    spool_max_backoff_seconds: float = 30.0
+    # Registration in etcd (gateway id; empty: host:port).
+    gateway_id: str = ""
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        check_endpoint("--tokenizer", self.tokenizer)
+        check_endpoint("--meter", self.meter)
+        for ep in self.etcd_endpoints:
+            check_endpoint("--etcd-endpoints", ep)
+        if self.request_timeout_seconds <= 0:
+            raise ValueError("request_timeout_seconds must be > 0")
+        if self.max_engine_attempts < 1:
+            raise ValueError("max_engine_attempts must be >= 1")
+        if not 1 <= self.spool_batch_size <= 10_000:
+            raise ValueError("spool_batch_size must be in 1..10000 (the meter's batch limit)")
+        if self.spool_max_backoff_seconds <= 0:
+            raise ValueError("spool_max_backoff_seconds must be > 0")
+        if not self.spool_path or not self.snapshot_path:
+            raise ValueError("spool_path and snapshot_path must be file paths")

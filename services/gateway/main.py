@@ -1,0 +1,140 @@
+"""`python -m services.gateway --port 50051 --metrics-port 9101 --etcd-endpoints 127.0.0.1:2379
+--tokenizer 127.0.0.1:50052 --meter 127.0.0.1:50054 [--engine model=version=host:port ...]
+--snapshot var/gateway-config.json --spool var/gateway-spool.db`"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from controlplane.registry import register
+from controlplane.schema import GatewayRegistration
+from controlplane.watcher import ConfigWatcher
+from services.gateway import metrics
+from services.gateway.config import GatewayConfig, StaticEngine
+from services.gateway.downstream import Channels, MeterClient, TokenizerClient
+from services.gateway.inference import ConfigSource, Pipeline
+from services.gateway.routing import Router
+from services.gateway.servicer import InferenceServicer
+from services.gateway.spool import SpoolSender, UsageSpool
+from tokenserve.gateway.v1 import gateway_pb2_grpc
+from tokenserve.runtime.channels import aio_channel
+from tokenserve.runtime.logging import configure_logging, get_logger
+from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
+
+SERVICE_NAME = "tokenserve.gateway.v1.InferenceService"
+log = get_logger(component="gateway")
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    p = argparse.ArgumentParser(prog="python -m services.gateway",
+                                description="tokenserve public API (gRPC InferenceService)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=9101,
+                   help="Prometheus /metrics port; -1 disables it, 0 picks a free one")
+    p.add_argument("--etcd-endpoints", default="127.0.0.1:2379",
+                   help="comma-separated host:port list")
+    p.add_argument("--tokenizer", default="127.0.0.1:50052")
+    p.add_argument("--meter", default="127.0.0.1:50054")
+    p.add_argument("--engine", action="append", default=[], metavar="MODEL=VERSION=HOST:PORT",
+                   help="an engine to route to without an etcd registration (repeatable)")
+    p.add_argument("--snapshot", default="var/gateway-config.json",
+                   help="last known good control-plane config (used when etcd is down)")
+    p.add_argument("--spool", default="var/gateway-spool.db",
+                   help="SQLite file holding usage events until the meter has them")
+    p.add_argument("--default-model", default=GatewayConfig.default_model)
+    p.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds allowed to a call that carries no deadline")
+    p.add_argument("--gateway-id", default="", help="registration id in etcd (default: host-port)")
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    try:
+        return GatewayConfig(
+            host=a.host, port=a.port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
+            etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
+            tokenizer=a.tokenizer, meter=a.meter,
+            engines=tuple(StaticEngine.parse(e) for e in a.engine),
+            snapshot_path=a.snapshot, spool_path=a.spool, default_model=a.default_model,
+            request_timeout_seconds=a.request_timeout, gateway_id=a.gateway_id,
+            log_level=a.log_level)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def build(config: GatewayConfig, source: ConfigSource) -> tuple[GrpcServer, SpoolSender]:
+    """The server and its usage sender, wired to `source` (a started ConfigWatcher, or any
+    holder of a snapshot). Start the sender once the loop runs; stopping the server flushes it."""
+    spool = UsageSpool(config.spool_path)
+    metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
+    meter_channel, tokenizer_channel = aio_channel(config.meter), aio_channel(config.tokenizer)
+    sender = SpoolSender(spool, MeterClient(meter_channel).record,
+                         batch_size=config.spool_batch_size,
+                         max_backoff=config.spool_max_backoff_seconds,
+                         on_sent=lambda n: (metrics.USAGE_EVENTS_SENT.inc(n),
+                                            metrics.USAGE_EVENTS_SPOOLED.dec(n)))
+    channels = Channels()
+    pipeline = Pipeline(source, Router(config.engines, config.default_model),
+                        TokenizerClient(tokenizer_channel), channels, spool, sender,
+                        max_engine_attempts=config.max_engine_attempts)
+
+    async def close_all():
+        await sender.stop()
+        spool.close()
+        await channels.close()
+        await meter_channel.close()
+        await tokenizer_channel.close()
+
+    server = GrpcServer(
+        "gateway",
+        [Registration(SERVICE_NAME, gateway_pb2_grpc.add_InferenceServiceServicer_to_server,
+                      InferenceServicer(pipeline, config.request_timeout_seconds))],
+        ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port),
+        on_stop=[close_all])
+    return server, sender
+
+
+async def _register_when_possible(config: GatewayConfig, port: int):
+    """Announces this gateway in etcd under a lease; retries while etcd is unreachable."""
+    gid = config.gateway_id or f"gateway-{config.host}-{port}"
+    reg = GatewayRegistration(id=gid.replace(":", "-"), endpoint=f"{config.host}:{port}")
+    delay = 0.5
+    while True:
+        try:
+            return await register(list(config.etcd_endpoints), "gateways", reg, ttl=5)
+        except Exception as e:  # noqa: BLE001 - etcd down or refusing: keep serving, retry
+            log.warning("gateway_registration_failed", error_type=type(e).__name__,
+                        error=getattr(e, "message", str(e))[:200], retry_in=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+
+async def serve(config: GatewayConfig):
+    configure_logging("gateway", config.log_level)
+    watcher = ConfigWatcher(list(config.etcd_endpoints), snapshot_path=Path(config.snapshot_path),
+                            service="gateway")
+    await watcher.start()
+    server, sender = build(config, watcher)
+    port = await server.start()
+    sender.start()
+    registering = asyncio.create_task(_register_when_possible(config, port))
+
+    async def unregister():
+        # Bounded: a cancel that races a watch event can be lost inside the watcher
+        # (asyncio.wait_for in 3.11); asyncio.run cancels whatever is left on exit.
+        try:
+            await asyncio.wait_for(watcher.close(), 3.0)
+        except asyncio.TimeoutError:
+            log.warning("config_watcher_close_timed_out")
+        if registering.done() and not registering.cancelled() and registering.exception() is None:
+            await registering.result().close()
+        else:
+            registering.cancel()
+
+    server.on_stop.append(unregister)
+    await server.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    asyncio.run(serve(parse_args(argv)))
+    return 0

@@ -1,0 +1,23 @@
+"""Gateway metrics (Prometheus; `tokenserve_gateway_<name>_<unit>`). Labels carry tiers and
+status codes only: never tenants' text."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter("tokenserve_gateway_requests_total",
+                   "Public API calls by tier and final status code", ["method", "tier", "code"])
+REQUEST_SECONDS = Histogram(
+    "tokenserve_gateway_request_duration_seconds", "Seconds from arrival to the last message",
+    ["method"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60))
+TIME_TO_FIRST_TOKEN = Histogram(
+    "tokenserve_gateway_time_to_first_token_seconds",
+    "Seconds from arrival at the gateway to the first generated token", ["tier"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+TOKENS_STREAMED = Counter("tokenserve_gateway_tokens_streamed_total",
+                          "Generated tokens streamed to callers", ["tier"])
+ENGINE_RETRIES = Counter("tokenserve_gateway_engine_retries_total",
+                         "Engine calls retried on another engine before the first token")
+USAGE_EVENTS_SENT = Counter("tokenserve_gateway_usage_events_sent_total",
+                            "Usage events the meter acknowledged")
+USAGE_EVENTS_SPOOLED = Gauge("tokenserve_gateway_usage_spool_events",
+                             "Usage events waiting in the local spool for the meter")

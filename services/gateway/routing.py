@@ -1,0 +1,138 @@
+"""Model -> version (route weights) -> engine replica (fewest outstanding tokens).
+
+Engines come from two places: registrations in the config snapshot (engines that announced
+themselves in etcd under a lease) and `--engine model=version=host:port` flags. A model is
+known when it has a route, a model spec, or an engine.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+from controlplane.snapshot import ConfigSnapshot
+from services.gateway.config import StaticEngine
+from tokenserve.runtime.errors import NotFound, Unavailable
+
+
+@dataclass(frozen=True)
+class Target:
+    model: str
+    version: str
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    # (version, weight), versions in name order.
+    versions: tuple[tuple[str, int], ...]
+    max_context: int
+
+
+class Router:
+    def __init__(self, static_engines: Sequence[StaticEngine], default_model: str,
+                 rng: random.Random | None = None):
+        self._static = tuple(static_engines)
+        self._default_model = default_model
+        self._rng = rng or random.Random()
+        # endpoint -> prompt + max_tokens of requests in flight there.
+        self._outstanding: dict[str, int] = {}
+
+    # -- what exists ----------------------------------------------------------------------
+    def _engines(self, snap: ConfigSnapshot, model: str) -> dict[str, list[str]]:
+        """version -> endpoints serving it."""
+        found: dict[str, list[str]] = {}
+        for e in snap.engines_for(model):
+            found.setdefault(e.version, []).append(e.endpoint)
+        for e in self._static:
+            if e.model == model and e.endpoint not in found.get(e.version, []):
+                found.setdefault(e.version, []).append(e.endpoint)
+        return found
+
+    def models(self, snap: ConfigSnapshot) -> list[ModelInfo]:
+        names = set(snap.routes) | set(snap.models) | {e.model for e in snap.engines.values()}
+        names |= {e.model for e in self._static}
+        out = []
+        for name in sorted(names):
+            route = snap.routes.get(name)
+            if route is not None:
+                versions = tuple(sorted(route.versions.items()))
+            else:
+                versions = tuple((v, 1) for v in sorted(self._engines(snap, name)))
+            out.append(ModelInfo(name, versions, self.max_context(snap, name)))
+        return out
+
+    def max_context(self, snap: ConfigSnapshot, model: str, version: str | None = None) -> int:
+        spec = snap.models.get(model)
+        if spec is None:
+            return 0
+        mv = spec.versions.get(version or spec.default_version)
+        return mv.max_context if mv else 0
+
+    def resolve_model(self, snap: ConfigSnapshot, name: str) -> str:
+        """The model to serve for a request's `model` field (empty: the default)."""
+        model = name or self._default_model
+        known = [m.name for m in self.models(snap)]
+        if model not in known:
+            raise NotFound(f"model {model!r} is not served here; available models:"
+                           f" {', '.join(known) or '(none)'}")
+        return model
+
+    # -- choice ---------------------------------------------------------------------------
+    def check_available(self, snap: ConfigSnapshot, model: str) -> None:
+        """Unavailable when no engine serves a routed version of `model` (checked before
+        tokenizing, so the caller hears about the missing engine, not a tokenizer error)."""
+        engines = self._engines(snap, model)
+        route = snap.routes.get(model)
+        if not any(v in engines for v in (
+                [v for v, w in route.versions.items() if w > 0] if route else engines)):
+            raise Unavailable(f"no engine is serving model {model!r} right now; retry later")
+
+    def choose(self, snap: ConfigSnapshot, model: str, *, tenant_id: str = "",
+               exclude: frozenset[str] = frozenset()) -> Target:
+        """A version by route weight among versions with a live engine, then its least
+        loaded engine. `exclude`: endpoints that already failed this request."""
+        engines = {v: [ep for ep in eps if ep not in exclude]
+                   for v, eps in self._engines(snap, model).items()}
+        engines = {v: eps for v, eps in engines.items() if eps}
+        route = snap.routes.get(model)
+        if route is not None:
+            weights = {v: w for v, w in route.versions.items() if w > 0 and v in engines}
+        else:
+            weights = {v: 1 for v in engines}
+        if not weights:
+            raise Unavailable(f"no engine is serving model {model!r} right now; retry later")
+        sticky_key = f"{tenant_id}/{model}" if route is not None and route.sticky else None
+        version = self._pick_version(weights, sticky_key)
+        endpoint = min(engines[version], key=lambda ep: (self._outstanding.get(ep, 0), ep))
+        return Target(model, version, endpoint)
+
+    def _pick_version(self, weights: dict[str, int], sticky_key: str | None) -> str:
+        versions = sorted(weights)
+        total = sum(weights[v] for v in versions)
+        if sticky_key is not None:
+            # The same tenant lands on the same version while the weights stay the same.
+            point = int.from_bytes(hashlib.sha256(sticky_key.encode()).digest()[:8], "big") % total
+        else:
+            point = self._rng.randrange(total)
+        for v in versions:
+            point -= weights[v]
+            if point < 0:
+                return v
+        return versions[-1]
+
+    # -- load -----------------------------------------------------------------------------
+    def acquire(self, endpoint: str, tokens: int) -> None:
+        self._outstanding[endpoint] = self._outstanding.get(endpoint, 0) + tokens
+
+    def release(self, endpoint: str, tokens: int) -> None:
+        left = self._outstanding.get(endpoint, 0) - tokens
+        if left > 0:
+            self._outstanding[endpoint] = left
+        else:
+            self._outstanding.pop(endpoint, None)
+
+    def outstanding(self, endpoint: str) -> int:
+        return self._outstanding.get(endpoint, 0)

@@ -1,0 +1,137 @@
+"""InferenceService adapter: protobuf <-> the pipeline's plain types, plus per-call metrics."""
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing
+
+from services.gateway import metrics
+from services.gateway.auth import Caller, authenticate
+from services.gateway.inference import Chunk, Pipeline
+from services.gateway.validation import (InferenceRequest, Message, Sampling, check_messages,
+                                         check_prompt, validate)
+from tokenserve.common.v1 import common_pb2
+from tokenserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tokenserve.runtime.errors import ServiceError
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "seed")
+
+
+def _sampling(request) -> Sampling:
+    """Top-level temperature/top_p/top_k/seed, overridden by fields set in `sampling`."""
+    values = {name: getattr(request, name) for name in ("temperature", "top_p", "top_k", "seed")
+              if request.HasField(name)}
+    if request.HasField("sampling"):
+        values.update({name: getattr(request.sampling, name) for name in _SAMPLING_FIELDS
+                       if request.sampling.HasField(name)})
+    return Sampling(**values)
+
+
+def _messages(pb_messages) -> tuple[Message, ...]:
+    return tuple(Message(role=m.role, content=m.content) for m in pb_messages)
+
+
+def request_from_pb(request, *, chat: bool) -> InferenceRequest:
+    return InferenceRequest(
+        model=request.model, max_tokens=request.max_tokens,
+        prompt=None if chat else request.prompt,
+        messages=_messages(request.messages) if chat else None,
+        sampling=_sampling(request), stop=tuple(request.stop), request_id=request.request_id,
+        app=request.app, logprobs=request.logprobs, top_logprobs=request.top_logprobs)
+
+
+def chunk_to_pb(chunk: Chunk, *, first: bool) -> gateway_pb2.GenerateResponse:
+    last = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    resp = gateway_pb2.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids,
+                                        logprobs=chunk.logprobs,
+                                        request_id=chunk.request_id if first or last else "")
+    if last:
+        resp.finish_reason = chunk.finish_reason
+        resp.usage.CopyFrom(common_pb2.Usage(prompt_tokens=chunk.prompt_tokens,
+                                             completion_tokens=chunk.completion_tokens,
+                                             cached_tokens=chunk.cached_tokens))
+        resp.model_version = chunk.model_version
+    return resp
+
+
+class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
+    def __init__(self, pipeline: Pipeline, default_timeout: float):
+        self._pipeline = pipeline
+        self._default_timeout = default_timeout
+
+    def _timeout(self, context) -> float:
+        remaining = context.time_remaining()
+        return self._default_timeout if remaining is None else remaining
+
+    def _caller(self, context) -> Caller:
+        return authenticate(self._pipeline.snapshot, context.invocation_metadata())
+
+    async def _stream(self, method: str, request, context, *, chat: bool):
+        started, tier, code = time.monotonic(), "none", "OK"
+        try:
+            caller = self._caller(context)
+            tier = caller.tier
+            req = validate(request_from_pb(request, chat=chat), tier_cap=caller.max_tokens,
+                           tier=caller.tier)
+            first = True
+            async with aclosing(self._pipeline.stream(caller, req, self._timeout(context))) as s:
+                async for chunk in s:
+                    yield chunk_to_pb(chunk, first=first)
+                    first = False
+        except ServiceError as e:
+            code = e.code.name
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            code = "CANCELLED"
+            raise
+        finally:
+            metrics.REQUESTS.labels(method, tier, code).inc()
+            metrics.REQUEST_SECONDS.labels(method).observe(time.monotonic() - started)
+
+    async def Generate(self, request, context):
+        async with aclosing(self._stream("Generate", request, context, chat=False)) as s:
+            async for resp in s:
+                yield resp
+
+    async def Chat(self, request, context):
+        async with aclosing(self._stream("Chat", request, context, chat=True)) as s:
+            async for resp in s:
+                yield resp
+
+    async def _unary(self, method: str, context, fn):
+        tier, code = "none", "OK"
+        try:
+            caller = self._caller(context)
+            tier = caller.tier
+            return await fn()
+        except ServiceError as e:
+            code = e.code.name
+            raise
+        finally:
+            metrics.REQUESTS.labels(method, tier, code).inc()
+
+    async def CountTokens(self, request, context):
+        async def count():
+            which = request.WhichOneof("input")
+            if which == "chat":
+                messages = _messages(request.chat.messages)
+                check_messages(messages)
+                req = InferenceRequest(model=request.model, max_tokens=1, messages=messages)
+            else:
+                check_prompt(request.prompt)
+                req = InferenceRequest(model=request.model, max_tokens=1, prompt=request.prompt)
+            n = await self._pipeline.count_tokens(req, self._timeout(context))
+            return gateway_pb2.CountTokensResponse(count=n)
+
+        return await self._unary("CountTokens", context, count)
+
+    async def ListModels(self, request, context):
+        async def models():
+            infos = self._pipeline.router.models(self._pipeline.snapshot)
+            return gateway_pb2.ListModelsResponse(models=[
+                gateway_pb2.Model(name=m.name, max_context=m.max_context, versions=[
+                    gateway_pb2.ModelVersion(version=v, weight=w) for v, w in m.versions])
+                for m in infos])
+
+        return await self._unary("ListModels", context, models)

@@ -1,0 +1,141 @@
+"""Usage events on local disk until the meter has them (at-least-once; the meter dedupes).
+
+`UsageSpool.append` commits to a SQLite file (WAL, synchronous=FULL) before the gateway
+sends the last message of a request, so a crash after that loses nothing. `SpoolSender`
+ships the oldest events in batches and deletes them only after the meter acknowledged them;
+while the meter is down it retries with exponential backoff.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Awaitable, Callable, Sequence
+
+from tokenserve.runtime.logging import get_logger
+
+log = get_logger(component="spool")
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """What one request used, as the gateway saw it. Never holds prompt or completion text."""
+
+    event_id: str
+    request_id: str
+    tenant_id: str
+    app: str
+    model: str
+    model_version: str
+    tier: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # gRPC status code name the request ended with: "OK", "CANCELLED", ...
+    status: str
+    started_at: float
+    finished_at: float
+    energy_joules: float = 0.0
+    energy_estimated: bool = False
+
+
+class UsageSpool:
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA busy_timeout=5000")
+        self._conn.execute("CREATE TABLE IF NOT EXISTS spool (seq INTEGER PRIMARY KEY"
+                           " AUTOINCREMENT, event_id TEXT UNIQUE NOT NULL, record TEXT NOT NULL)")
+
+    def append(self, record: UsageRecord) -> None:
+        """Durable on return. The same event id twice is stored once."""
+        self._conn.execute("INSERT OR IGNORE INTO spool (event_id, record) VALUES (?, ?)",
+                           (record.event_id, json.dumps(asdict(record))))
+
+    def oldest(self, limit: int) -> list[tuple[int, UsageRecord]]:
+        rows = self._conn.execute("SELECT seq, record FROM spool ORDER BY seq LIMIT ?",
+                                  (limit,)).fetchall()
+        return [(seq, UsageRecord(**json.loads(text))) for seq, text in rows]
+
+    def delete(self, seqs: Sequence[int]) -> None:
+        self._conn.executemany("DELETE FROM spool WHERE seq = ?", [(s,) for s in seqs])
+
+    def __len__(self) -> int:
+        return self._conn.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+# Sends a batch; returns once the meter has stored it (raises when it has not).
+SendFn = Callable[[list[UsageRecord]], Awaitable[None]]
+
+
+class SpoolSender:
+    def __init__(self, spool: UsageSpool, send: SendFn, *, batch_size: int = 500,
+                 min_backoff: float = 0.2, max_backoff: float = 30.0,
+                 on_sent: Callable[[int], None] | None = None):
+        self._spool = spool
+        self._send = send
+        self._batch_size = batch_size
+        self._min_backoff = min_backoff
+        self._max_backoff = max_backoff
+        self._on_sent = on_sent
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.backoff = 0.0
+
+    def notify(self) -> None:
+        """Call after append: the sender wakes at once instead of at its next retry."""
+        self._wake.set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="usage-sender")
+
+    async def send_pending(self) -> int:
+        """Sends everything spooled now, batch by batch; returns events sent. Raises on the
+        first failed batch (those events stay spooled)."""
+        sent = 0
+        while batch := self._spool.oldest(self._batch_size):
+            await self._send([r for _, r in batch])
+            self._spool.delete([seq for seq, _ in batch])
+            sent += len(batch)
+            if self._on_sent:
+                self._on_sent(len(batch))
+        return sent
+
+    async def _loop(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                await self.send_pending()
+                self.backoff = 0.0
+                await self._wake.wait()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - meter down or refusing: retry later
+                self.backoff = min(self._max_backoff, max(self._min_backoff, self.backoff * 2))
+                log.warning("usage_send_failed", error_type=type(e).__name__,
+                            pending=len(self._spool), retry_in_seconds=self.backoff)
+                # New events do not shorten the backoff: the meter is what we wait for.
+                await asyncio.sleep(self.backoff)
+
+    async def stop(self, flush_timeout: float = 5.0) -> None:
+        """Stops the loop, then tries once more to send what is spooled (bounded)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        try:
+            await asyncio.wait_for(self.send_pending(), flush_timeout)
+        except Exception as e:  # noqa: BLE001 - left in the spool for the next start
+            log.warning("usage_flush_incomplete", error_type=type(e).__name__,
+                        pending=len(self._spool))

@@ -1,0 +1,3 @@
+from services.meter.main import main
+
+raise SystemExit(main())

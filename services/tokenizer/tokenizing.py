@@ -1,0 +1,178 @@
+"""Encode / decode / count for named models: input checks, then the work off the asyncio loop.
+
+Plain dataclasses in and out (the servicer converts protobuf). One executor job per call: a
+batch of texts goes to `ModelTokenizer.encode_batch` in one piece, which the tokenizers
+library spreads over its own threads without holding the GIL.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from services.tokenizer.registry import TokenizerRegistry
+from tokenserve.runtime.errors import InvalidArgument
+from tokenserve.tokenization import ModelTokenizer
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class EncodeInput:
+    """Exactly one of `text` and `messages` is set."""
+
+    text: str | None = None
+    messages: tuple[ChatTurn, ...] | None = None
+    add_generation_prompt: bool = False
+    add_special_tokens: bool = False
+    parse_special: bool = False
+
+
+@dataclass(frozen=True)
+class Encoded:
+    token_ids: list[int]
+    # Rendered chat prompt length in characters; 0 for text.
+    rendered_chars: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeInput:
+    token_ids: Sequence[int]
+    skip_special_tokens: bool = False
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    model: str
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    special_token_ids: tuple[int, ...]
+    has_chat_template: bool
+    max_text_bytes: int
+
+
+class Tokenization:
+    def __init__(self, registry: TokenizerRegistry, executor: Executor, *,
+                 max_text_bytes: int, max_batch_items: int):
+        self.registry = registry
+        self._executor = executor
+        self.max_text_bytes = max_text_bytes
+        self.max_batch_items = max_batch_items
+
+    async def encode(self, model: str, inputs: Sequence[EncodeInput], *,
+                     batch: bool = False) -> list[Encoded]:
+        """`batch`: name fields `requests[i].…` in errors (the batch RPCs)."""
+        self._check_batch(len(inputs), batch)
+        for i, item in enumerate(inputs):
+            self._check_input(item, f"requests[{i}]." if batch else "")
+        tok = await self.registry.get(model)
+        return await self._run(_encode_all, tok, inputs)
+
+    async def decode(self, model: str, inputs: Sequence[DecodeInput], *,
+                     batch: bool = False) -> list[str]:
+        self._check_batch(len(inputs), batch)
+        tok = await self.registry.get(model)
+        for i, item in enumerate(inputs):
+            tok.check_ids(item.token_ids, field=f"requests[{i}].token_ids" if batch else "token_ids")
+        return await self._run(_decode_all, tok, inputs)
+
+    async def info(self, model: str) -> TokenizerInfo:
+        tok = await self.registry.get(model)
+        return TokenizerInfo(
+            model=model, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id, special_token_ids=tuple(sorted(tok.special_token_ids)),
+            has_chat_template=tok.chat_template is not None, max_text_bytes=self.max_text_bytes)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _check_batch(self, n: int, batch: bool) -> None:
+        if not batch:
+            return
+        if n == 0:
+            raise InvalidArgument("requests is empty: send at least one request in the batch")
+        if n > self.max_batch_items:
+            raise InvalidArgument(
+                f"requests holds {n} items; the limit is {self.max_batch_items} per batch",
+                metadata=(("max-batch-items", str(self.max_batch_items)),))
+
+    def _check_input(self, item: EncodeInput, prefix: str) -> None:
+        if item.text is not None:
+            self._check_text(item.text, f"{prefix}text", len(item.text))
+            return
+        if item.messages is None:
+            raise InvalidArgument(f"{prefix}input is missing: set text or chat")
+        if not item.messages:
+            raise InvalidArgument(f"{prefix}chat.messages is empty: send at least one message")
+        total = 0
+        for j, turn in enumerate(item.messages):
+            for name in ("role", "content"):
+                value = getattr(turn, name)
+                self._check_text(value, f"{prefix}chat.messages[{j}].{name}", None)
+                total += len(value.encode("utf-8"))
+        if total > self.max_text_bytes:
+            raise self._too_large(f"{prefix}chat", total)
+
+    def _check_text(self, text: str, field: str, length: int | None) -> None:
+        nul = text.find("\x00")
+        if nul >= 0:
+            raise InvalidArgument(f"{field} contains a NUL character at offset {nul}; remove it")
+        # A character is 1..4 UTF-8 bytes: only measure when the text could be over the limit.
+        if length is not None and length * 4 > self.max_text_bytes:
+            size = len(text.encode("utf-8"))
+            if size > self.max_text_bytes:
+                raise self._too_large(field, size)
+
+    def _too_large(self, field: str, size: int) -> InvalidArgument:
+        return InvalidArgument(
+            f"{field} is {size} bytes of UTF-8; the limit is {self.max_text_bytes} bytes per input",
+            metadata=(("max-text-bytes", str(self.max_text_bytes)),))
+
+
+def _encode_all(tok: ModelTokenizer, inputs: Sequence[EncodeInput]) -> list[Encoded]:
+    # Runs on an executor thread.
+    out: list[Encoded | None] = [None] * len(inputs)
+    texts: dict[tuple[bool, bool], list[int]] = defaultdict(list)
+    for i, item in enumerate(inputs):
+        if item.text is not None:
+            texts[(item.add_special_tokens, item.parse_special)].append(i)
+            continue
+        messages = [{"role": t.role, "content": t.content} for t in item.messages or ()]
+        if item.parse_special:  # trusted caller: the whole rendering is parsed
+            rendered = tok.render_chat(messages, add_generation_prompt=item.add_generation_prompt)
+            out[i] = Encoded(tok.encode(rendered, parse_special=True), len(rendered))
+        else:
+            ids, chars = tok.encode_chat_rendered(
+                messages, add_generation_prompt=item.add_generation_prompt)
+            out[i] = Encoded(ids, chars)
+    for (add_special, parse_special), indices in texts.items():
+        if len(indices) == 1:
+            batches = [tok.encode(inputs[indices[0]].text, add_special_tokens=add_special,
+                                  parse_special=parse_special)]
+        else:
+            batches = tok.encode_batch([inputs[i].text for i in indices],
+                                       add_special_tokens=add_special, parse_special=parse_special)
+        for i, ids in zip(indices, batches):
+            out[i] = Encoded(ids)
+    return out  # type: ignore[return-value]
+
+
+def _decode_all(tok: ModelTokenizer, inputs: Sequence[DecodeInput]) -> list[str]:
+    if len(inputs) == 1:
+        return [tok.decode(inputs[0].token_ids, skip_special_tokens=inputs[0].skip_special_tokens)]
+    out: list[str] = [""] * len(inputs)
+    groups: dict[bool, list[int]] = defaultdict(list)
+    for i, item in enumerate(inputs):
+        groups[item.skip_special_tokens].append(i)
+    for skip, indices in groups.items():
+        texts = tok.decode_batch([inputs[i].token_ids for i in indices], skip_special_tokens=skip)
+        for i, text in zip(indices, texts):
+            out[i] = text
+    return out

@@ -1,0 +1,107 @@
+"""In-process FAKE tokenizer and engine gRPC servers, for gateway logic that needs no model
+(auth, validation, routing, retries, cancellation, usage spooling). They speak the real
+protos; the text they produce is meaningless. Tests of real generation use the real services.
+
+Fake tokenizer: one token per whitespace-separated word; a chat costs its words plus 2 per
+message plus 1 for the generation prompt. Fake engine: emits max_tokens tokens ("w0 w1 ..."),
+`delay` seconds apart, noticing a cancelled call between tokens.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from tokenserve.common.v1 import common_pb2
+from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
+from tokenserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+MODEL = "tiny"
+
+
+def fake_token_count(req: tokenizer_pb2.EncodeRequest) -> int:
+    if req.WhichOneof("input") == "chat":
+        words = sum(len(m.content.split()) + 2 for m in req.chat.messages)
+        return words + (1 if req.add_generation_prompt else 0)
+    return len(req.text.split())
+
+
+class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    def __init__(self):
+        self.requests: list[tokenizer_pb2.EncodeRequest] = []
+
+    def Encode(self, request, context):
+        if request.model != MODEL:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not loaded")
+        self.requests.append(request)
+        return tokenizer_pb2.EncodeResponse(token_ids=list(range(fake_token_count(request))))
+
+    def CountTokens(self, request, context):
+        if request.model != MODEL:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not loaded")
+        return tokenizer_pb2.CountTokensResponse(count=fake_token_count(request))
+
+
+class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, version: str = "v1", delay: float = 0.0,
+                 fail_with: grpc.StatusCode | None = None):
+        self.version = version
+        self.delay = delay
+        self.fail_with = fail_with
+        self.requests: list[engine_pb2.GenerateRequest] = []
+        self.cancelled: list[str] = []
+        self.cancel_seen = threading.Event()
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        if self.fail_with is not None:
+            context.abort(self.fail_with, f"fake engine refuses: {self.fail_with.name}")
+        if request.prompt_token_ids and request.prompt_token_ids[0] == -1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[0] must be >= 0")
+        for i in range(request.max_tokens):
+            if self.delay:
+                time.sleep(self.delay)
+            if not context.is_active():
+                self.cancelled.append(request.request_id)
+                self.cancel_seen.set()
+                return
+            last = i == request.max_tokens - 1
+            resp = engine_pb2.GenerateResponse(token_ids=[1000 + i], text=f"w{i} ")
+            if last:
+                resp.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                resp.usage.CopyFrom(common_pb2.Usage(
+                    prompt_tokens=len(request.prompt_token_ids),
+                    completion_tokens=request.max_tokens, cached_tokens=1))
+                resp.energy_joules = 0.5
+            yield resp
+
+    def GetInfo(self, request, context):
+        return engine_pb2.GetInfoResponse(model=MODEL, version=self.version, max_context=64)
+
+
+class FakeServer:
+    """A sync gRPC server on a free loopback port, in its own threads."""
+
+    def __init__(self, servicer, add_fn):
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        add_fn(servicer, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.servicer = servicer
+        self.server.start()
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.stop(0).wait()
+
+
+def fake_tokenizer() -> FakeServer:
+    return FakeServer(FakeTokenizer(), tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server)
+
+
+def fake_engine(**kw) -> FakeServer:
+    return FakeServer(FakeEngine(**kw), engine_pb2_grpc.add_EngineServiceServicer_to_server)

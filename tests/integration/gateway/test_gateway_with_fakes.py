@@ -1,0 +1,237 @@
+"""The real gateway process with a real etcd and a real meter, and FAKE tokenizer and engine
+servers: auth, validation, routing, cancellation and usage, none of which needs a model."""
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from controlplane.schema import Tenant
+from tests.integration.gateway.conftest import FREE_MAX_TOKENS, start_gateway
+from tests.integration.gateway.fakes import MODEL, fake_engine
+from tokenserve.common.v1 import common_pb2
+from tokenserve.gateway.v1 import gateway_pb2 as pb
+from tokenserve.meter.v1 import meter_pb2
+
+
+def auth(key):
+    return (("authorization", f"Bearer {key}"),)
+
+
+def wait_for(predicate, timeout=10.0):
+    """Polls until predicate() is truthy (config changes and usage arrive asynchronously)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    return None
+
+
+def meter_rows(meter_stub, request_id):
+    csv = "".join(c.data for c in meter_stub.ExportCsv(meter_pb2.QueryUsageRequest(), timeout=5))
+    header, *lines = csv.splitlines()
+    cols = header.split(",")
+    return [dict(zip(cols, ln.split(","))) for ln in lines if f",{request_id}," in ln]
+
+
+def code_of(fn):
+    with pytest.raises(grpc.RpcError) as err:
+        fn()
+    return err.value.code(), err.value.details()
+
+
+def test_generate_streams_tokens_and_ends_with_usage(gateway, key, engine, meter_stub):
+    stub = gateway.stub()
+    req = pb.GenerateRequest(prompt="one two three", max_tokens=5, request_id="gen-1",
+                             temperature=0.5, app="bot")
+    chunks = list(stub.Generate(req, metadata=auth(key), timeout=20))
+    assert "".join(c.text for c in chunks) == "w0 w1 w2 w3 w4 "
+    ids = [t for c in chunks for t in c.token_ids]
+    last = chunks[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, len(ids)) == (3, 5)
+    assert chunks[0].request_id == last.request_id == "gen-1"
+    assert last.model_version == "v1"
+    sent = next(r for r in engine.servicer.requests if r.request_id == "gen-1")
+    assert (sent.tenant_id, sent.priority, sent.max_tokens) == ("acme", 0, 5)
+    assert sent.sampling.HasField("temperature") and not sent.sampling.HasField("top_p")
+    (row,) = wait_for(lambda: meter_rows(meter_stub, "gen-1"))
+    assert (row["source"], row["tenant_id"], row["tier"], row["app"], row["status"]) == (
+        "gateway", "acme", "free", "bot", "OK")
+    assert (row["prompt_tokens"], row["completion_tokens"], row["model_version"]) == ("3", "5", "v1")
+
+
+def test_chat_is_templated_with_the_generation_prompt(gateway, key, tokenizer):
+    stub = gateway.stub()
+    req = pb.ChatRequest(messages=[common_pb2.ChatMessage(role="user", content="hi there")],
+                         max_tokens=2, request_id="chat-1")
+    chunks = list(stub.Chat(req, metadata=auth(key), timeout=20))
+    assert chunks[-1].usage.prompt_tokens == 2 + 2 + 1
+    sent = [r for r in tokenizer.servicer.requests if r.WhichOneof("input") == "chat"][-1]
+    assert sent.add_generation_prompt and sent.model == MODEL
+
+
+def test_missing_and_wrong_keys_are_unauthenticated(gateway):
+    stub = gateway.stub()
+    req = pb.GenerateRequest(prompt="hi", max_tokens=1)
+    code, details = code_of(lambda: list(stub.Generate(req, timeout=10)))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert details == "missing authorization metadata: send 'authorization: Bearer ts-...'"
+    code, _ = code_of(lambda: list(stub.Generate(req, metadata=auth("ts-nope"), timeout=10)))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_live_key_changes_apply_without_restart(gateway, control):
+    stub = gateway.stub()
+    req = pb.GenerateRequest(prompt="hi", max_tokens=1)
+    new_key = control.issue_key("acme")
+
+    def outcome():
+        try:
+            list(stub.Generate(req, metadata=auth(new_key), timeout=10))
+            return grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            return e.code()
+
+    assert wait_for(lambda: outcome() == grpc.StatusCode.OK)
+    control.revoke(new_key)
+    assert wait_for(lambda: outcome() == grpc.StatusCode.UNAUTHENTICATED)
+
+
+def test_disabled_tenant_is_permission_denied(gateway, control):
+    control.put(Tenant("gone", "Gone Inc", "free"))
+    gone_key = control.issue_key("gone")
+    control.put(Tenant("gone", "Gone Inc", "free", enabled=False))
+    stub = gateway.stub()
+
+    def code():
+        try:
+            stub.ListModels(pb.ListModelsRequest(), metadata=auth(gone_key), timeout=10)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            return e.code()
+
+    assert wait_for(lambda: code() == grpc.StatusCode.PERMISSION_DENIED)
+
+
+@pytest.mark.parametrize("req, code, text", [
+    (pb.GenerateRequest(prompt="", max_tokens=4), "INVALID_ARGUMENT", "prompt"),
+    (pb.GenerateRequest(prompt="hi"), "INVALID_ARGUMENT", "max_tokens must be >= 1"),
+    (pb.GenerateRequest(prompt="hi", max_tokens=-2), "INVALID_ARGUMENT", "max_tokens"),
+    (pb.GenerateRequest(prompt="hi", max_tokens=FREE_MAX_TOKENS + 1), "INVALID_ARGUMENT",
+     f"at most {FREE_MAX_TOKENS}"),
+    (pb.GenerateRequest(prompt="hi", max_tokens=2, top_p=0), "INVALID_ARGUMENT", "top_p"),
+    (pb.GenerateRequest(prompt="hi", max_tokens=2, stop=list("abcdefghij")), "INVALID_ARGUMENT",
+     "stop"),
+    (pb.GenerateRequest(prompt="hi", max_tokens=2, model="gpt-9"), "NOT_FOUND", MODEL),
+    (pb.GenerateRequest(prompt="hi", max_tokens=2, model="lonely"), "UNAVAILABLE", "lonely"),
+    (pb.GenerateRequest(prompt=" ".join(["w"] * 60), max_tokens=10), "INVALID_ARGUMENT",
+     "context of 64"),
+])
+def test_bad_requests_get_precise_statuses(gateway, key, req, code, text):
+    stub = gateway.stub()
+    got, details = code_of(lambda: list(stub.Generate(req, metadata=auth(key), timeout=10)))
+    assert got.name == code and text in details
+
+
+def test_downstream_errors_keep_their_code(gateway, key):
+    stub = gateway.stub()
+    bad_chat = pb.ChatRequest(messages=[common_pb2.ChatMessage(role="robot", content="x")],
+                              max_tokens=2)
+    got, details = code_of(lambda: list(stub.Chat(bad_chat, metadata=auth(key), timeout=10)))
+    assert got == grpc.StatusCode.INVALID_ARGUMENT and "messages[0].role" in details
+
+
+def test_client_cancel_cancels_the_engine_call_and_is_metered(gateway, key, engine, meter_stub):
+    stub = gateway.stub()
+    engine.servicer.cancel_seen.clear()
+    call = stub.Generate(pb.GenerateRequest(prompt="a b", max_tokens=FREE_MAX_TOKENS,
+                                            request_id="cancel-1"),
+                         metadata=auth(key), timeout=20)
+    first = next(call)
+    assert first.token_ids
+    call.cancel()
+    assert engine.servicer.cancel_seen.wait(10)
+    assert "cancel-1" in engine.servicer.cancelled
+    (row,) = wait_for(lambda: meter_rows(meter_stub, "cancel-1"))
+    assert row["status"] == "CANCELLED"
+    assert 1 <= int(row["completion_tokens"]) < FREE_MAX_TOKENS
+
+
+def test_count_tokens_and_list_models(gateway, key):
+    stub = gateway.stub()
+    assert stub.CountTokens(pb.CountTokensRequest(prompt="a b c"), metadata=auth(key),
+                            timeout=10).count == 3
+    chat = pb.ChatMessages(messages=[common_pb2.ChatMessage(role="user", content="a b")])
+    assert stub.CountTokens(pb.CountTokensRequest(chat=chat), metadata=auth(key),
+                            timeout=10).count == 5
+    got, _ = code_of(lambda: stub.CountTokens(pb.CountTokensRequest(), metadata=auth(key),
+                                              timeout=10))
+    assert got == grpc.StatusCode.INVALID_ARGUMENT
+    models = stub.ListModels(pb.ListModelsRequest(), metadata=auth(key), timeout=10).models
+    by_name = {m.name: m for m in models}
+    assert set(by_name) == {MODEL, "lonely"}
+    assert [(v.version, v.weight) for v in by_name[MODEL].versions] == [("v1", 1)]
+    assert by_name[MODEL].max_context == 64
+
+
+def test_metrics_count_requests_by_tier_and_code(gateway, key):
+    stub = gateway.stub()
+    list(stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=1), metadata=auth(key),
+                       timeout=10))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    assert 'tokenserve_gateway_requests_total{code="OK",method="Generate",tier="free"}' in text
+    assert "tokenserve_gateway_time_to_first_token_seconds_bucket" in text
+    assert 'code="UNAUTHENTICATED"' in text
+
+
+def test_unavailable_engine_before_the_first_token_is_retried_elsewhere(
+        workdir, control, key, tokenizer, meter):
+    # Both start idle and ties go to the lower endpoint: the one that sorts first fails.
+    down, up = sorted([fake_engine(), fake_engine()], key=lambda s: s.target)
+    down.servicer.fail_with = grpc.StatusCode.UNAVAILABLE
+    gw = start_gateway(workdir, control.endpoint, tokenizer.target, meter.target,
+                       [down.target, up.target], name="gateway-retry")
+    try:
+        chunks = list(gw.stub().Generate(pb.GenerateRequest(prompt="hi", max_tokens=3),
+                                         metadata=auth(key), timeout=20))
+        assert chunks[-1].usage.completion_tokens == 3
+        assert len(down.servicer.requests) == 1 and len(up.servicer.requests) == 1
+    finally:
+        gw.stop()
+        down.stop()
+        up.stop()
+
+
+def test_usage_waits_in_the_spool_while_the_meter_is_down(workdir, control, key, tokenizer,
+                                                          engine, meter_stub, meter):
+    from tests.conftest import free_port
+    from tests.integration.meter_service.service_process import ServiceProcess
+
+    late_port = free_port()
+    gw = start_gateway(workdir, control.endpoint, tokenizer.target, f"127.0.0.1:{late_port}",
+                       [engine.target], name="gateway-spool")
+    late = ServiceProcess("services.meter", ["--port", str(late_port), "--metrics-port", "-1",
+                                             "--db", str(workdir / "late-meter.db")],
+                          late_port, log_path=workdir / "late-meter.log")
+    try:
+        list(gw.stub().Generate(pb.GenerateRequest(prompt="hi", max_tokens=2,
+                                                   request_id="spooled-1"),
+                                metadata=auth(key), timeout=20))
+        # The request completed with no meter: its usage is on disk in the spool.
+        assert gw.spool.exists()
+        late.start()
+        import grpc as _grpc
+        from tokenserve.meter.v1 import meter_pb2_grpc
+        with _grpc.insecure_channel(late.target) as ch:
+            late_stub = meter_pb2_grpc.MeterServiceStub(ch)
+            (row,) = wait_for(lambda: meter_rows(late_stub, "spooled-1"), timeout=60)
+        assert row["completion_tokens"] == "2"
+    finally:
+        assert gw.stop() == 0
+        late.stop()
