@@ -5,6 +5,7 @@ concurrent change (`Conflict`).
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import time
 from typing import Any, Mapping
 
@@ -187,8 +188,12 @@ async def route_rollback(store: ConfigStore, model: str, *, actor: str) -> tuple
 async def cluster_status(store: ConfigStore) -> dict:
     """Registered engines and gateways, the config revision and the last change."""
     revision = await store.revision()
-    engines = [v.document for v in await store.list("engines")]
-    gateways = [v.document for v in await store.list("gateways")]
+    async def present(kind: str) -> list[dict]:
+        # lease_ttl: seconds until the registration expires unless its process renews it
+        return [{**schema.to_dict(v.document),
+                 "lease_ttl": await store.client.lease_ttl(v.lease) if v.lease else None}
+                for v in await store.list(kind)]
+    engines, gateways = await present("engines"), await present("gateways")
     log = await store.audit_log()
     last = log[-1] if log else None
     return {
@@ -197,13 +202,12 @@ async def cluster_status(store: ConfigStore) -> dict:
         "last_change": None if last is None else {
             "revision": last.revision, "key": last.key, "action": last.action, "actor": last.actor,
             "at": last.at, "age_seconds": _age(last.at)},
-        "engines": [schema.to_dict(e) for e in engines],
-        "gateways": [schema.to_dict(g) for g in gateways],
+        "engines": engines,
+        "gateways": gateways,
     }
 
 
 def _age(iso: str) -> float | None:
-    import datetime as dt
     try:
         then = dt.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
     except ValueError:

@@ -130,12 +130,17 @@ class EtcdClient:
         if ch is not None:
             await ch.close()
 
-    async def reconnect(self, *, rotate: bool = True) -> None:
-        """Closes the channel and moves to the next endpoint (for watch/lease streams)."""
+    async def reconnect(self, *, rotate: bool = True, failed: grpc.aio.Channel | None = None) -> None:
+        """Closes the channel and moves to the next endpoint (for watch/lease streams).
+
+        With `failed`, only if that channel is still the current one: concurrent callers that
+        saw the same failure then rotate once, not once each.
+        """
         async with self._lock:
-            await self._drop()
-            if rotate:
-                self._index = (self._index + 1) % len(self.options.endpoints)
+            if failed is None or failed is self._channel:
+                await self._drop()
+                if rotate:
+                    self._index = (self._index + 1) % len(self.options.endpoints)
         await self.connect()
 
     async def close(self) -> None:
@@ -149,6 +154,7 @@ class EtcdClient:
         attempts = len(self.options.endpoints)
         while attempts > 0:
             await self.connect()
+            channel = self._channel
             try:
                 return await fn()
             except grpc.aio.AioRpcError as e:
@@ -156,12 +162,12 @@ class EtcdClient:
                 if (e.code() == grpc.StatusCode.UNAUTHENTICATED and self.options.user
                         and not reauthed and "token" in (e.details() or "")):
                     reauthed = True  # simple tokens expire; get a fresh one
-                    await self.reconnect(rotate=False)
+                    await self.reconnect(rotate=False, failed=channel)
                     continue
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise self._translate(e) from None
                 attempts -= 1
-                await self.reconnect(rotate=True)
+                await self.reconnect(rotate=True, failed=channel)
         raise self._translate(last) from None
 
     def _translate(self, e: grpc.aio.AioRpcError) -> Exception:
@@ -170,6 +176,8 @@ class EtcdClient:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return Unavailable(f"etcd at {where} is unreachable ({code.name.lower()}: {details}); "
                                f"check that etcd runs and --endpoints is right")
+        if "user name is empty" in details:  # auth is on and we sent no token
+            return Unauthenticated(f"etcd at {where} requires a user and password (--user/--password)")
         if code == grpc.StatusCode.UNAUTHENTICATED or "authentication failed" in details:
             return Unauthenticated(f"etcd at {where} refused the credentials: {details}")
         if code == grpc.StatusCode.PERMISSION_DENIED:
@@ -211,8 +219,26 @@ class EtcdClient:
         resp = await self.call(lambda: self.lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl), **self._t()))
         return resp.ID
 
+    async def lease_ttl(self, lease_id: int) -> int:
+        """Seconds left on a lease (-1 when it has expired)."""
+        req = rpc.LeaseTimeToLiveRequest(ID=lease_id)
+        return (await self.call(lambda: self.lease.LeaseTimeToLive(req, **self._t()))).TTL
+
     async def revoke_lease(self, lease_id: int) -> None:
         await self.call(lambda: self.lease.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease_id), **self._t()))
+
+
+async def stop_task(task: asyncio.Task | None) -> None:
+    """Cancels `task` and waits for it to end.
+
+    Cancels again while it runs: in Python 3.11 a cancel that lands as an inner
+    `asyncio.wait_for` completes is swallowed, and one cancel would then hang close().
+    """
+    while task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.5)
+    if task is not None and not task.cancelled():
+        task.exception()  # retrieved so asyncio does not warn; the loop logged it already
 
 
 def describe(e: BaseException) -> str:

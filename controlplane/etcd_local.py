@@ -13,15 +13,29 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import sysconfig
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenserve.runtime.errors import FailedPrecondition, Unavailable
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """Server certificate for etcd's client port; `client_cert_auth` demands client certs."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    client_cert_auth: bool = False
+    health_cert: str | None = None  # client cert for the /health probe (default: the server's)
+    health_key: str | None = None
 
 
 def find_etcd_binary(env: dict[str, str] | None = None) -> str:
@@ -41,7 +55,7 @@ class EtcdProcess:
     def __init__(self, data_dir: Path, client_port: int, peer_port: int, *,
                  binary: str | None = None, host: str = "127.0.0.1", name: str = "tokenserve",
                  log_path: Path | None = None, unsafe_no_fsync: bool = False,
-                 extra_args: tuple[str, ...] = ()):
+                 tls: "ServerTls | None" = None, extra_args: tuple[str, ...] = ()):
         self.data_dir = Path(data_dir)
         self.client_port = client_port
         self.peer_port = peer_port
@@ -50,6 +64,7 @@ class EtcdProcess:
         self.name = name
         self.log_path = Path(log_path) if log_path else self.data_dir.parent / f"{self.data_dir.name}.log"
         self.unsafe_no_fsync = unsafe_no_fsync  # tests only: skips fsync to spare a loaded disk
+        self.tls = tls
         self.extra_args = extra_args
         self.process: subprocess.Popen | None = None
 
@@ -59,7 +74,7 @@ class EtcdProcess:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
 
     def command(self) -> list[str]:
         peer = f"http://{self.host}:{self.peer_port}"
@@ -70,6 +85,11 @@ class EtcdProcess:
                 "--log-level", "warn", "--logger", "zap"]
         if self.unsafe_no_fsync:
             args.append("--unsafe-no-fsync")
+        if self.tls:
+            args += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file,
+                     "--trusted-ca-file", self.tls.ca_file]
+            if self.tls.client_cert_auth:
+                args.append("--client-cert-auth")
         return args + list(self.extra_args)
 
     def start(self, timeout: float = 20.0) -> None:
@@ -88,8 +108,14 @@ class EtcdProcess:
         return self.process is not None and self.process.poll() is None
 
     def healthy(self) -> bool:
+        ctx = None
+        if self.tls:
+            ctx = ssl.create_default_context(cafile=self.tls.ca_file)
+            if self.tls.client_cert_auth:
+                ctx.load_cert_chain(self.tls.health_cert or self.tls.cert_file,
+                                    self.tls.health_key or self.tls.key_file)
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1) as r:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1, context=ctx) as r:
                 return b'"health":"true"' in r.read()
         except (urllib.error.URLError, OSError, ValueError):
             return False

@@ -221,13 +221,15 @@ class _ProgressTail:
                 rec = json.loads(raw)
             except ValueError:
                 continue
-            if "done" in rec and "total" in rec and rec["total"]:
-                pct = int(100 * rec["done"] / rec["total"])
+            done = rec.get("tensors_done", rec.get("done"))
+            total = rec.get("tensors_total", rec.get("total"))
+            if done is not None and total:
+                pct = int(100 * done / total)
                 if pct // 10 != self.last // 10:
                     self.last = pct
-                    self.say(f"  loading model: {pct}% ({rec['done']}/{rec['total']})")
-            elif "load" in str(rec.get("event", "")) and "seconds" in str(rec):
-                self.say(f"  model loaded ({rec.get('event')})")
+                    self.say(f"  loading model: {pct}% ({done}/{total} tensors)")
+            elif rec.get("event") == "model_loaded":
+                self.say(f"  model loaded in {rec.get('seconds', '?')} s")
 
 
 def _tail(path: Path, lines: int = 20) -> str:

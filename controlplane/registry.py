@@ -23,7 +23,7 @@ import structlog
 from aetcd import rpc
 
 from controlplane import schema
-from controlplane.etcd_client import EtcdClient, EtcdOptions, describe
+from controlplane.etcd_client import EtcdClient, EtcdOptions, describe, stop_task
 from tokenserve.runtime.errors import InvalidArgument, ServiceError
 
 # lazy proxy: picks up configure_logging() even when called after this import
@@ -40,6 +40,7 @@ class RegistrationHandle:
         self.lease_id = 0
         self._client = client
         self._task: asyncio.Task | None = None
+        self._closed = False
         self.registered = asyncio.Event()
 
     async def _register(self) -> None:
@@ -54,14 +55,14 @@ class RegistrationHandle:
 
     async def _keep_alive(self) -> None:
         backoff = 0.2
-        while True:
+        while not self._closed:
             try:
                 if not self.registered.is_set():
                     await self._register()
                 await self._stream()
             except asyncio.CancelledError:
                 raise
-            except (ServiceError, grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError) as e:
+            except Exception as e:  # noqa: BLE001 - the loop must outlive any failure; it retries
                 log.warning("registration_keepalive_failed", key=self.key,
                             error=describe(e))
                 await asyncio.sleep(backoff * (1 + random.random() / 2))
@@ -75,7 +76,7 @@ class RegistrationHandle:
         await self._client.connect()
         call = self._client.lease.LeaseKeepAlive(metadata=self._client.metadata)
         try:
-            while True:
+            while not self._closed:
                 await call.write(rpc.LeaseKeepAliveRequest(ID=self.lease_id))
                 resp = await asyncio.wait_for(call.read(), timeout=max(1.0, self.ttl / 2))
                 if resp is grpc.aio.EOF:
@@ -90,13 +91,9 @@ class RegistrationHandle:
 
     async def close(self) -> None:
         """Stops the keep-alives and revokes the lease (the key disappears now)."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        self._closed = True
+        await stop_task(self._task)
+        self._task = None
         try:
             if self.lease_id:
                 await self._client.revoke_lease(self.lease_id)

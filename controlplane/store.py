@@ -35,6 +35,7 @@ class Versioned:
     document: Document
     mod_revision: int
     create_revision: int
+    lease: int = 0  # etcd lease id for registrations (0 = none)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class ConfigStore:
 
     def _versioned(self, kv: Any) -> Versioned:
         key = kv.key.decode()[len(schema.PREFIX):]
-        return Versioned(key, schema.parse(key, kv.value), kv.mod_revision, kv.create_revision)
+        return Versioned(key, schema.parse(key, kv.value), kv.mod_revision, kv.create_revision, kv.lease)
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -261,26 +262,27 @@ class ConfigStore:
         schema.split_key(key)
         return await self.audit_log(key)
 
-    async def document_at(self, key: str, revision: int) -> tuple[bool, dict | None]:
-        """(known, document) for `key` as it stood at `revision` (None = absent then)."""
+    async def document_at(self, key: str, revision: int) -> dict | None:
+        """The document `key` held at `revision` (None = absent then), from the audit log,
+        else from etcd's own history if not compacted yet."""
         current = await self.revision()
         if revision > current:
             raise InvalidArgument(f"revision {revision} is in the future (current {current})")
         entries = [e for e in await self.history(key) if e.revision <= revision]
         if entries:
-            return True, entries[-1].after
+            return entries[-1].after
         try:
             old = await self.client.range((schema.PREFIX + key).encode(), revision=revision)
         except FailedPrecondition as e:  # compacted
             raise FailedPrecondition(f"{key}: revision {revision} is not in the audit log and etcd "
                                      f"has compacted it ({e})") from None
-        return True, (json.loads(old.kvs[0].value) if old.kvs else None)
+        return json.loads(old.kvs[0].value) if old.kvs else None
 
     async def rollback(self, key: str, to_revision: int, *, actor: str) -> int:
         """Writes back the document `key` had at `to_revision` (audited as "rollback")."""
         if to_revision <= 0:
             raise InvalidArgument(f"to_revision must be > 0, got {to_revision}")
-        _, old = await self.document_at(key, to_revision)
+        old = await self.document_at(key, to_revision)
         cur = await self.get(key)
         detail = f"to revision {to_revision}"
         if old is None:

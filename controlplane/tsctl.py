@@ -26,6 +26,7 @@ from controlplane.store import ConfigStore
 from controlplane.tsctl_args import build_parser, parse_assignments, parse_ladder
 from controlplane.watcher import ConfigWatcher
 from tokenserve.runtime.errors import InvalidArgument, ServiceError
+from tokenserve.runtime.logging import configure_logging
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -262,9 +263,9 @@ async def cmd_status(store: ConfigStore, a: argparse.Namespace, out: Output) -> 
         print(f"last change:     revision {last['revision']} {last['action']} {last['key']} by "
               f"{last['actor']} at {last['at']} ({last['age_seconds']} s ago)")
     print(f"\nengines ({len(st['engines'])}):")
-    print(render_table(st["engines"], ("id", "endpoint", "model", "version", "capacity")))
+    print(render_table(st["engines"], ("id", "endpoint", "model", "version", "capacity", "lease_ttl")))
     print(f"\ngateways ({len(st['gateways'])}):")
-    print(render_table(st["gateways"], ("id", "endpoint")))
+    print(render_table(st["gateways"], ("id", "endpoint", "lease_ttl")))
     return EXIT_OK
 
 
@@ -320,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           default_actor=os.environ.get("USER") or os.environ.get("LOGNAME") or "unknown",
                           default_password=os.environ.get("TOKENSERVE_ETCD_PASSWORD"))
     args = parser.parse_args(argv)
+    configure_logging("tsctl", level="warning")  # library logs to stderr; stdout is the output
     try:
         return asyncio.run(run(args))
     except InvalidArgument as e:

@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import inspect
 import random
-import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -31,7 +30,7 @@ from aetcd import rpc
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 
 from controlplane import schema
-from controlplane.etcd_client import EtcdClient, EtcdOptions, describe, prefix_end
+from controlplane.etcd_client import EtcdClient, EtcdOptions, describe, prefix_end, stop_task
 from controlplane.snapshot import ConfigSnapshot
 from controlplane.store import AUDIT
 from tokenserve.runtime.errors import ServiceError, Unavailable
@@ -123,13 +122,8 @@ class ConfigWatcher:
 
     async def close(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         await self._client.close()
 
     # -- reading and applying -----------------------------------------------------------------
@@ -198,7 +192,7 @@ class ConfigWatcher:
                 backoff = 0.1
             except asyncio.CancelledError:
                 raise
-            except (ServiceError, grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError) as e:
+            except Exception as e:  # noqa: BLE001 - the loop must outlive any failure; it retries
                 self.connected = False
                 log.warning("config_watch_lost", error_type=type(e).__name__,
                             error=describe(e), retry_in=round(backoff, 2))
@@ -215,7 +209,7 @@ class ConfigWatcher:
             key = self.prefix.encode()
             await call.write(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
                 key=key, range_end=prefix_end(key), start_revision=start_revision)))
-            while True:
+            while not self._closed:
                 resp = await asyncio.wait_for(call.read(), timeout=self.heartbeat * 3)
                 if resp is grpc.aio.EOF:
                     raise Unavailable("etcd closed the watch stream")
@@ -233,15 +227,20 @@ class ConfigWatcher:
                 elif self._snapshot is not None and not resp.created:
                     # progress: every change up to resp.header.revision has been delivered
                     self._snapshot = self._snapshot.confirmed()
+            return False
         finally:
             if beat is not None:
                 beat.cancel()
             call.cancel()
 
     async def _heartbeat(self, call: Any) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat)
-            await call.write(rpc.WatchRequest(progress_request=rpc.WatchProgressRequest()))
+        # a broken stream shows up in the reader (read() fails or times out); stop quietly here
+        try:
+            while True:
+                await asyncio.sleep(self.heartbeat)
+                await call.write(rpc.WatchRequest(progress_request=rpc.WatchProgressRequest()))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError):
+            return
 
     async def _apply_events(self, resp: Any) -> None:
         changes: dict[str, Any] = {}

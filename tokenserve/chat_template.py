@@ -22,7 +22,6 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment

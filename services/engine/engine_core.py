@@ -10,9 +10,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.interface import Batch, RunnerOutput, SampledToken
 from services.engine.scheduler import Scheduler, TokenEvent
 from services.engine.sequence import FinishReason, Sequence
+from services.engine.stop import StopMatcher
 from tokenserve.runtime.logging import get_logger
 
 log = get_logger(component="engine_core")
@@ -30,6 +32,29 @@ class TextStream(Protocol):
 
     def flush(self) -> str:
         """Text held back (a possible stop-string prefix) once generation ends otherwise."""
+
+
+class DetokenizingStream:
+    """TextStream over the model tokenizer: incremental detokenizer, then stop strings."""
+
+    # Prompt tokens decoded (never emitted) as context for the first output token.
+    CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer, seq: Sequence):
+        self._detok = IncrementalDetokenizer(
+            tokenizer, context_ids=seq.prompt_token_ids[-self.CONTEXT_TOKENS:])
+        self._stop = StopMatcher(seq.stop.stop)
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        return self._stop.push(self._detok.push(token_id))
+
+    def flush(self) -> str:
+        text, stopped = self._stop.push(self._detok.flush())
+        return text if stopped else text + self._stop.flush()
+
+
+def text_stream_factory(tokenizer) -> Callable[[Sequence], TextStream]:
+    return lambda seq: DetokenizingStream(tokenizer, seq)
 
 
 class EnergySource(Protocol):
@@ -75,6 +100,8 @@ class StepObserver(Protocol):
 
     def on_finish(self, seq: Sequence) -> None: ...
 
+    def gauges(self, scheduler: Scheduler) -> None: ...
+
 
 class EngineCore:
     def __init__(self, runner: Runner, scheduler: Scheduler, *,
@@ -103,7 +130,10 @@ class EngineCore:
         if seq is None:
             return None
         self.scheduler.finish(seq, reason, self.clock())
-        return self._final(seq, RequestOutput(seq.seq_id, seq.request_id))
+        out = self._final(seq, RequestOutput(seq.seq_id, seq.request_id))
+        if self.observer:
+            self.observer.gauges(self.scheduler)
+        return out
 
     def abort_all(self, reason: FinishReason) -> list[RequestOutput]:
         s = self.scheduler
@@ -131,12 +161,12 @@ class EngineCore:
         events = self.scheduler.update(batch, result, end)
         if self.energy:
             self._attribute_energy(events, self.energy.read_joules() - j0)
+        if self.observer:
+            self.observer.on_step(self, events, end - now)
         for ev in events:
             out = self._emit(ev, result)
             if out is not None:
                 outputs.append(out)
-        if self.observer:
-            self.observer.on_step(self, events, end - now)
         return outputs
 
     def _expired(self, now: float) -> list[Sequence]:

@@ -185,7 +185,10 @@ def _load_gguf(path: Path, progress: Progress | None) -> LoadedWeights:
         except Exception as e:
             raise ModelLoadError(path, f"tensor {t.name}: cannot dequantize "
                                        f"({type(e).__name__}: {e}); the file may be truncated") from e
-        w = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if not array.flags.writeable:  # F32 tensors come back as views of the read-only map
+            array = array.copy()
+        w = torch.from_numpy(array)
         if name.endswith(".wq"):
             w = _unpermute(w, n_heads)
         elif name.endswith(".wk"):

@@ -17,12 +17,11 @@ from pathlib import Path
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.energy import energy_source
-from services.engine.engine_core import EngineCore
+from services.engine.engine_core import EngineCore, text_stream_factory
 from services.engine.engine_loop import AsyncEngine
 from services.engine.metrics import EngineMetrics
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.servicer import SERVICE_NAME, EngineServicer, ModelInfo
-from services.engine.text import text_stream_factory
 from tokenserve.engine.v1 import engine_pb2_grpc
 from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default_model_path
 from tokenserve.runtime.logging import configure_logging, get_logger

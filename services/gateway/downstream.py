@@ -1,7 +1,7 @@
 """Calls to the services behind the gateway: tokenizer, engines, meter.
 
-One channel per endpoint, kept for the life of the gateway (engines come and go through
-registrations; a channel to an engine that left is closed by `retain`).
+One channel per engine endpoint, kept for the life of the gateway (a channel is cheap when
+idle, and closing one under a request still streaming from it would cut that request).
 """
 from __future__ import annotations
 
@@ -29,13 +29,10 @@ class Channels:
             ch = self._channels[endpoint] = aio_channel(endpoint)
         return ch
 
-    async def retain(self, endpoints: set[str]) -> None:
-        """Closes channels to endpoints no longer in use."""
-        for ep in [e for e in self._channels if e not in endpoints]:
-            await self._channels.pop(ep).close()
-
     async def close(self) -> None:
-        await self.retain(set())
+        channels, self._channels = self._channels, {}
+        for ch in channels.values():
+            await ch.close()
 
 
 class TokenizerClient:

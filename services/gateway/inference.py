@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
 import grpc
+import structlog
 
 from controlplane.snapshot import ConfigSnapshot
 from services.gateway import metrics
@@ -30,9 +31,14 @@ from services.gateway.validation import InferenceRequest, check_context
 from tokenserve.common.v1 import common_pb2
 from tokenserve.runtime.errors import (DeadlineExceeded, ServiceError, Unavailable,
                                        from_rpc_error)
-from tokenserve.runtime.logging import get_logger
 
-log = get_logger(component="inference")
+# Lazy: resolved at first use, after configure_logging (JSON lines).
+log = structlog.get_logger(component="inference")
+
+
+# How an engine-reported finish is written in the usage record's status.
+_FINISH_STATUS = {common_pb2.FINISH_REASON_CANCELLED: "CANCELLED",
+                  common_pb2.FINISH_REASON_ERROR: "UNKNOWN"}
 
 
 class ConfigSource(Protocol):
@@ -162,13 +168,13 @@ class Pipeline:
             try:
                 async for resp in call:
                     chunk = self._chunk(progress, target, resp)
-                    if first and chunk.token_ids:
+                    if first:
                         first = False
                         metrics.TIME_TO_FIRST_TOKEN.labels(caller.tier).observe(
                             time.monotonic() - arrived)
                     if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                         # Durable before the caller learns the request is complete.
-                        self._spool_usage(progress, "OK")
+                        self._spool_usage(progress, _FINISH_STATUS.get(chunk.finish_reason, "OK"))
                         yield chunk
                         return
                     if chunk.text or chunk.token_ids or chunk.logprobs:
@@ -177,8 +183,11 @@ class Pipeline:
                                   " finish reason")
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
-                if (code == grpc.StatusCode.UNAVAILABLE and progress.completion_tokens == 0
-                        and attempt + 1 < self._max_attempts):
+                unreached = code == grpc.StatusCode.UNAVAILABLE and first
+                if unreached:
+                    # The engine took no work (not reached, or refused): nothing to meter.
+                    progress.engine_called = False
+                if unreached and attempt + 1 < self._max_attempts:
                     failed.add(target.endpoint)
                     metrics.ENGINE_RETRIES.inc()
                     log.warning("engine_unavailable_retrying", request_id=req.request_id,

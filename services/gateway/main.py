@@ -7,6 +7,8 @@ import argparse
 import asyncio
 from pathlib import Path
 
+import structlog
+
 from controlplane.registry import register
 from controlplane.schema import GatewayRegistration
 from controlplane.watcher import ConfigWatcher
@@ -17,13 +19,16 @@ from services.gateway.inference import ConfigSource, Pipeline
 from services.gateway.routing import Router
 from services.gateway.servicer import InferenceServicer
 from services.gateway.spool import SpoolSender, UsageSpool
+
 from tokenserve.gateway.v1 import gateway_pb2_grpc
 from tokenserve.runtime.channels import aio_channel
-from tokenserve.runtime.logging import configure_logging, get_logger
+from tokenserve.runtime.errors import ServiceError
+from tokenserve.runtime.logging import configure_logging
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
 
 SERVICE_NAME = "tokenserve.gateway.v1.InferenceService"
-log = get_logger(component="gateway")
+# Lazy: resolved at first use, after configure_logging (JSON lines).
+log = structlog.get_logger(component="gateway")
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
@@ -136,5 +141,10 @@ async def serve(config: GatewayConfig):
 
 
 def main(argv: list[str] | None = None) -> int:
-    asyncio.run(serve(parse_args(argv)))
+    config = parse_args(argv)
+    try:
+        asyncio.run(serve(config))
+    except ServiceError as e:  # e.g. no etcd and no last-known-good snapshot: no policy
+        log.error("gateway_start_failed", error=e.message)
+        return 1
     return 0

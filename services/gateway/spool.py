@@ -14,9 +14,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
-from tokenserve.runtime.logging import get_logger
+import structlog
 
-log = get_logger(component="spool")
+
+# Lazy: resolved at first use, after configure_logging (JSON lines).
+log = structlog.get_logger(component="spool")
 
 
 @dataclass(frozen=True)

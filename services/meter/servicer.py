@@ -21,7 +21,6 @@ EVENTS_DUPLICATE = Counter("tokenserve_meter_duplicate_events_total",
                            ["source"])
 
 _SOURCES = {meter_pb2.SOURCE_GATEWAY: Source.GATEWAY, meter_pb2.SOURCE_ENGINE: Source.ENGINE}
-_SOURCES_PB = {v: k for k, v in _SOURCES.items()}
 _GROUPS = {
     meter_pb2.GROUP_BY_TENANT: GroupBy.TENANT, meter_pb2.GROUP_BY_APP: GroupBy.APP,
     meter_pb2.GROUP_BY_MODEL: GroupBy.MODEL, meter_pb2.GROUP_BY_VERSION: GroupBy.VERSION,
@@ -41,16 +40,6 @@ def event_from_pb(pb: meter_pb2.UsageEvent, where: str) -> UsageEvent:
         cached_tokens=pb.cached_tokens, status=pb.status, started_at=pb.started_at,
         finished_at=pb.finished_at, energy_joules=pb.energy_joules,
         energy_estimated=pb.energy_estimated, where=where)
-
-
-def event_to_pb(e: UsageEvent) -> meter_pb2.UsageEvent:
-    return meter_pb2.UsageEvent(
-        event_id=e.event_id, request_id=e.request_id, source=_SOURCES_PB[e.source],
-        tenant_id=e.tenant_id, app=e.app, model=e.model, model_version=e.model_version,
-        tier=e.tier, prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens,
-        cached_tokens=e.cached_tokens, status=e.status, started_at=e.started_at,
-        finished_at=e.finished_at, energy_joules=e.energy_joules,
-        energy_estimated=e.energy_estimated)
 
 
 def _bound(value: float) -> float | None:

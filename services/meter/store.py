@@ -9,6 +9,7 @@ A ledger object is not thread-safe: the servicer calls it from one worker thread
 from __future__ import annotations
 
 import sqlite3
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -71,14 +72,14 @@ class Ledger:
         cur = conn.cursor()
         for stmt in _SCHEMA:
             cur.execute(stmt)
-        conn.commit()
 
     @classmethod
     def open(cls, location: str) -> "Ledger":
         if location.startswith(("postgresql://", "postgres://")):
             import psycopg  # only needed for shared ledgers
 
-            return cls(psycopg.connect(location), postgres=True)
+            # Autocommit: reads never hold a transaction open; `record` opens its own.
+            return cls(psycopg.connect(location, autocommit=True), postgres=True)
         path = Path(location)
         path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per batch.
@@ -104,21 +105,29 @@ class Ledger:
         if not events:
             return RecordResult(0, 0)
         accepted: dict[Source, int] = {}
-        if not self._postgres:
-            self._conn.execute("BEGIN IMMEDIATE")
-        try:
+        sql = self._sql(_INSERT)
+        with self._transaction():
             cur = self._conn.cursor()
-            sql = self._sql(_INSERT)
             for e in events:
                 cur.execute(sql, _row_of(e))
                 if cur.rowcount > 0:
                     accepted[e.source] = accepted.get(e.source, 0) + 1
-            self._conn.commit() if self._postgres else self._conn.execute("COMMIT")
-        except BaseException:
-            self._conn.rollback()
-            raise
         n = sum(accepted.values())
         return RecordResult(accepted=n, duplicates=len(events) - n, accepted_by_source=accepted)
+
+    @contextmanager
+    def _transaction(self):
+        if self._postgres:
+            with self._conn.transaction():
+                yield
+            return
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
 
     def _where(self, q: UsageQuery, source: Source | None) -> tuple[str, list]:
         clauses, params = [], []

@@ -9,13 +9,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+import structlog
+
 from controlplane.schema import ModelSpec
 from controlplane.snapshot import ConfigSnapshot
 from services.tokenizer.registry import TokenizerRegistry
 from tokenserve.models import DEFAULT_MODEL_NAME, default_model_path
-from tokenserve.runtime.logging import get_logger
 
-log = get_logger(component="tokenizer_catalog")
+# A lazy proxy: picks up configure_logging() even though it is created at import.
+log = structlog.get_logger(component="tokenizer_catalog")
 
 
 def artifact_path(artifact: str) -> Path | None:

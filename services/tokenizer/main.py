@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
                    help="largest input (text, or all strings of a chat) in UTF-8 bytes")
     p.add_argument("--max-batch-items", type=int, default=1024)
     p.add_argument("--workers", type=int, default=2, help="encode/decode threads")
+    p.add_argument("--inline-chars", type=int, default=2048,
+                   help="encode a single text up to this many characters on the event loop "
+                        "(cheaper than a thread hop); 0: always use the worker threads")
     p.add_argument("--preload", action="store_true",
                    help="load every tokenizer before reporting SERVING")
     p.add_argument("--etcd-endpoints", default="",
@@ -55,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
             models=models, host=a.host, port=a.port,
             metrics_port=None if a.metrics_port < 0 else a.metrics_port,
             max_text_bytes=a.max_text_bytes, max_batch_items=a.max_batch_items,
-            workers=a.workers, preload=a.preload, etcd_endpoints=etcd,
+            workers=a.workers, inline_chars=a.inline_chars, preload=a.preload, etcd_endpoints=etcd,
             config_snapshot=Path(a.config_snapshot) if a.config_snapshot else None,
             log_level=a.log_level)
     except (ValueError, FileNotFoundError) as e:
@@ -67,7 +70,8 @@ async def serve(config: TokenizerConfig) -> None:
     executor = ThreadPoolExecutor(config.workers, thread_name_prefix="tokenize")
     registry = TokenizerRegistry(config.models, executor)
     tokenization = Tokenization(registry, executor, max_text_bytes=config.max_text_bytes,
-                                max_batch_items=config.max_batch_items)
+                                max_batch_items=config.max_batch_items,
+                                inline_chars=config.inline_chars)
     on_stop = []
     watcher = None
     if config.etcd_endpoints:

@@ -6,11 +6,13 @@ from collections.abc import Mapping
 from concurrent.futures import Executor
 from pathlib import Path
 
+import structlog
+
 from tokenserve.runtime.errors import InvalidArgument, NotFound
-from tokenserve.runtime.logging import get_logger
 from tokenserve.tokenization import ModelTokenizer, load_model_tokenizer
 
-log = get_logger(component="tokenizer_registry")
+# A lazy proxy: picks up configure_logging() even though it is created at import.
+log = structlog.get_logger(component="tokenizer_registry")
 
 
 class TokenizerRegistry:

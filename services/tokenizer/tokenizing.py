@@ -1,8 +1,10 @@
 """Encode / decode / count for named models: input checks, then the work off the asyncio loop.
 
-Plain dataclasses in and out (the servicer converts protobuf). One executor job per call: a
-batch of texts goes to `ModelTokenizer.encode_batch` in one piece, which the tokenizers
-library spreads over its own threads without holding the GIL.
+Plain dataclasses in and out (the servicer converts protobuf). One executor job per call, and
+texts go through `ModelTokenizer.encode_batch` even one at a time: the tokenizers library
+releases the GIL there (its single `encode` does not, which would stall the loop from the
+worker thread just the same). A single short text (`inline_chars`) is encoded on the loop
+itself: measured here, the executor's thread hops cost more than encoding a 1 KB prompt.
 """
 from __future__ import annotations
 
@@ -60,9 +62,12 @@ class TokenizerInfo:
 
 class Tokenization:
     def __init__(self, registry: TokenizerRegistry, executor: Executor, *,
-                 max_text_bytes: int, max_batch_items: int):
+                 max_text_bytes: int, max_batch_items: int, inline_chars: int = 0):
+        """`inline_chars`: a single text input up to this many characters is encoded on the
+        event loop itself; the two thread hops of the executor cost more than the work."""
         self.registry = registry
         self._executor = executor
+        self.inline_chars = inline_chars
         self.max_text_bytes = max_text_bytes
         self.max_batch_items = max_batch_items
 
@@ -73,6 +78,10 @@ class Tokenization:
         for i, item in enumerate(inputs):
             self._check_input(item, f"requests[{i}]." if batch else "")
         tok = await self.registry.get(model)
+        item = inputs[0] if len(inputs) == 1 else None
+        if item is not None and item.text is not None and len(item.text) <= self.inline_chars:
+            return [Encoded(tok.encode(item.text, add_special_tokens=item.add_special_tokens,
+                                       parse_special=item.parse_special))]
         return await self._run(_encode_all, tok, inputs)
 
     async def decode(self, model: str, inputs: Sequence[DecodeInput], *,
@@ -105,7 +114,10 @@ class Tokenization:
 
     def _check_input(self, item: EncodeInput, prefix: str) -> None:
         if item.text is not None:
-            self._check_text(item.text, f"{prefix}text", len(item.text))
+            self._check_nul(item.text, f"{prefix}text")
+            # A character is 1..4 UTF-8 bytes: only measure when the text could be over.
+            if len(item.text) * 4 > self.max_text_bytes:
+                self._check_size(len(item.text.encode("utf-8")), f"{prefix}text")
             return
         if item.messages is None:
             raise InvalidArgument(f"{prefix}input is missing: set text or chat")
@@ -115,25 +127,21 @@ class Tokenization:
         for j, turn in enumerate(item.messages):
             for name in ("role", "content"):
                 value = getattr(turn, name)
-                self._check_text(value, f"{prefix}chat.messages[{j}].{name}", None)
+                self._check_nul(value, f"{prefix}chat.messages[{j}].{name}")
                 total += len(value.encode("utf-8"))
-        if total > self.max_text_bytes:
-            raise self._too_large(f"{prefix}chat", total)
+        self._check_size(total, f"{prefix}chat")
 
-    def _check_text(self, text: str, field: str, length: int | None) -> None:
+    @staticmethod
+    def _check_nul(text: str, field: str) -> None:
         nul = text.find("\x00")
         if nul >= 0:
             raise InvalidArgument(f"{field} contains a NUL character at offset {nul}; remove it")
-        # A character is 1..4 UTF-8 bytes: only measure when the text could be over the limit.
-        if length is not None and length * 4 > self.max_text_bytes:
-            size = len(text.encode("utf-8"))
-            if size > self.max_text_bytes:
-                raise self._too_large(field, size)
 
-    def _too_large(self, field: str, size: int) -> InvalidArgument:
-        return InvalidArgument(
-            f"{field} is {size} bytes of UTF-8; the limit is {self.max_text_bytes} bytes per input",
-            metadata=(("max-text-bytes", str(self.max_text_bytes)),))
+    def _check_size(self, size: int, field: str) -> None:
+        if size > self.max_text_bytes:
+            raise InvalidArgument(
+                f"{field} is {size} bytes of UTF-8; the limit is {self.max_text_bytes} bytes "
+                "per input", metadata=(("max-text-bytes", str(self.max_text_bytes)),))
 
 
 def _encode_all(tok: ModelTokenizer, inputs: Sequence[EncodeInput]) -> list[Encoded]:
@@ -153,20 +161,15 @@ def _encode_all(tok: ModelTokenizer, inputs: Sequence[EncodeInput]) -> list[Enco
                 messages, add_generation_prompt=item.add_generation_prompt)
             out[i] = Encoded(ids, chars)
     for (add_special, parse_special), indices in texts.items():
-        if len(indices) == 1:
-            batches = [tok.encode(inputs[indices[0]].text, add_special_tokens=add_special,
-                                  parse_special=parse_special)]
-        else:
-            batches = tok.encode_batch([inputs[i].text for i in indices],
-                                       add_special_tokens=add_special, parse_special=parse_special)
+        batches = tok.encode_batch([inputs[i].text for i in indices],  # GIL released
+                                   add_special_tokens=add_special, parse_special=parse_special)
         for i, ids in zip(indices, batches):
             out[i] = Encoded(ids)
     return out  # type: ignore[return-value]
 
 
 def _decode_all(tok: ModelTokenizer, inputs: Sequence[DecodeInput]) -> list[str]:
-    if len(inputs) == 1:
-        return [tok.decode(inputs[0].token_ids, skip_special_tokens=inputs[0].skip_special_tokens)]
+    # decode_batch, even for one input: it releases the GIL.
     out: list[str] = [""] * len(inputs)
     groups: dict[bool, list[int]] = defaultdict(list)
     for i, item in enumerate(inputs):

@@ -102,11 +102,11 @@ def test_grpcurl_chat_gets_coherent_text_from_the_real_model(suite, key):
     text = "".join(m.get("text", "") for m in messages)
     assert "Paris" in text
     last = messages[-1]
-    assert last["finishReason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
-    streamed_ids = [t for m in messages for t in m.get("tokenIds", [])]
-    assert last["usage"]["completionTokens"] == len(streamed_ids)
-    assert last["usage"]["promptTokens"] > 10  # the chat template's system prompt is counted
-    assert last["requestId"] and last["modelVersion"]
+    assert last["finish_reason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
+    streamed_ids = [t for m in messages for t in m.get("token_ids", [])]
+    assert last["usage"]["completion_tokens"] == len(streamed_ids)
+    assert last["usage"]["prompt_tokens"] > 10  # the chat template's system prompt is counted
+    assert last["request_id"] and last["model_version"]
 
 
 def test_usage_matches_streamed_tokens_and_reaches_the_meter(suite, key):

@@ -123,3 +123,25 @@ async def test_second_endpoint_is_used_when_first_is_down(etcd):
     async with ConfigStore([dead, etcd.endpoint], timeout=2) as s:
         assert await s.get("tiers/free") is None
         assert s.client.endpoint == etcd.endpoint
+
+
+async def test_audit_entry_follows_a_write_that_lands_on_a_later_revision(store):
+    """An unrelated write between our read and our txn moves our revision; the entry follows."""
+    real_range = store.client.range
+    sneaked = []
+
+    async def range_then_sneak_a_write(key, *args, **kw):
+        resp = await real_range(key, *args, **kw)
+        if key == b"/tokenserve/v1/tiers/gold" and not sneaked:
+            sneaked.append((await store.client.put(b"/elsewhere/x", b"1")).header.revision)
+        return resp
+
+    store.client.range = range_then_sneak_a_write
+    try:
+        rev = await store.create(Tier("gold", 5, 100, 1000, 1, 0, 16), actor="ops")
+    finally:
+        store.client.range = real_range
+    assert sneaked and rev == sneaked[0] + 1
+    (entry,) = await store.history("tiers/gold")
+    assert entry.revision == rev == (await store.require("tiers/gold")).mod_revision
+    assert [e.revision for e in await store.audit_log()] == sorted({e.revision for e in await store.audit_log()})

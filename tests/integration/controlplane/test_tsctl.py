@@ -13,6 +13,8 @@ from controlplane.seed import seed
 from controlplane.store import ConfigStore
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.slow  # each test runs tsctl as several subprocesses
+
 
 def tsctl(endpoint: str, *args: str, actor: str = "tester") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "controlplane.tsctl", "--endpoints", endpoint,
@@ -116,3 +118,46 @@ async def test_tier_route_and_rollback(seeded):
     assert r.returncode == 2 and "v9" in r.stderr
     r = await asyncio.to_thread(tsctl, ep, "status")
     assert r.returncode == 0 and "config revision" in r.stdout
+
+
+async def test_watch_prints_changes(seeded):
+    ep = seeded
+    proc = subprocess.Popen([sys.executable, "-m", "controlplane.tsctl", "--endpoints", ep, "--json",
+                             "watch", "--count", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        first = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+        assert json.loads(first)["event"] == "synced"
+        r = await asyncio.to_thread(tsctl, ep, "tier", "set", "premium", "--max-tokens", "8000")
+        assert r.returncode == 0, r.stderr
+        line = json.loads(await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60))
+        assert line["key"] == "tiers/premium" and line["event"] == "updated"
+        assert line["document"]["max_tokens"] == 8000
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+async def test_status_lists_registrations_with_their_lease(seeded):
+    from controlplane.registry import register
+    from controlplane.schema import EngineRegistration
+
+    ep = seeded
+    handle = await register([ep], "engines",
+                            EngineRegistration("engine-0", "127.0.0.1:50999", "smollm2-135m-instruct",
+                                               "q4_1", 64), ttl=30)
+    try:
+        r = await asyncio.to_thread(tsctl, ep, "--json", "status")
+        assert r.returncode == 0, r.stderr
+        st = json.loads(r.stdout)
+        (engine,) = st["engines"]
+        assert engine["id"] == "engine-0" and 0 < engine["lease_ttl"] <= 30
+        assert st["gateways"] == [] and st["last_change"]["action"] == "seed"
+        r = await asyncio.to_thread(tsctl, ep, "status")
+        assert "engine-0" in r.stdout and "127.0.0.1:50999" in r.stdout
+    finally:
+        await handle.close()

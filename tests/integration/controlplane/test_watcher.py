@@ -163,3 +163,26 @@ async def test_invalid_document_written_around_the_schema_keeps_previous(etcd, s
     await client.close()
     await watcher.wait_for_revision(resp.header.revision, timeout=10)
     assert watcher.snapshot.tiers["free"].requests_per_second == 10
+
+
+async def test_close_during_a_burst_of_changes_returns(etcd, store):
+    """close() must end the loop even when a cancel races an arriving event."""
+    stop = asyncio.Event()
+
+    async def churn():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            await store.update("tiers/free", raise_rps(200 + i % 50), actor="ops")
+
+    writer = asyncio.create_task(churn())
+    try:
+        for _ in range(8):
+            w = ConfigWatcher([etcd.endpoint], heartbeat=0.2)
+            await w.start()
+            await asyncio.sleep(0.2)
+            await asyncio.wait_for(w.close(), 10)
+            assert w._task is None
+    finally:
+        stop.set()
+        await writer

@@ -3,6 +3,7 @@ engine servers (see fakes.py) standing in for the model services."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import grpc
 import pytest
 
 from controlplane.schema import (ModelSpec, ModelVersion, Route, Tenant, Tier,
-                                 generate_api_key)
+                                 generate_api_key, hash_api_key)
 from controlplane.store import ConfigStore
 from tests.conftest import free_port
 from tests.etcd_fixture import etcd, etcd_session  # noqa: F401  (pytest fixtures)
@@ -46,9 +47,6 @@ class Control:
         return key
 
     def revoke(self, key: str):
-        from controlplane.schema import hash_api_key
-        import dataclasses
-
         async def revoke(store):
             cur = await store.require(f"keys/{hash_api_key(key)}")
             await store.put(dataclasses.replace(cur.document, revoked=True), actor="test")

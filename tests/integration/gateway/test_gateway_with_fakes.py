@@ -9,11 +9,13 @@ import grpc
 import pytest
 
 from controlplane.schema import Tenant
+from tests.conftest import free_port
 from tests.integration.gateway.conftest import FREE_MAX_TOKENS, start_gateway
 from tests.integration.gateway.fakes import MODEL, fake_engine
+from tests.integration.meter_service.service_process import ServiceProcess
 from tokenserve.common.v1 import common_pb2
 from tokenserve.gateway.v1 import gateway_pb2 as pb
-from tokenserve.meter.v1 import meter_pb2
+from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
 
 
 def auth(key):
@@ -162,6 +164,23 @@ def test_client_cancel_cancels_the_engine_call_and_is_metered(gateway, key, engi
     assert 1 <= int(row["completion_tokens"]) < FREE_MAX_TOKENS
 
 
+def test_deadline_cancels_the_engine_call_and_is_metered(gateway, key, engine, meter_stub):
+    stub = gateway.stub()
+    engine.servicer.cancel_seen.clear()
+    engine.servicer.delay = 1.0  # 16 tokens would take 16 s; the caller allows 3
+    try:
+        got, _ = code_of(lambda: list(stub.Generate(
+            pb.GenerateRequest(prompt="a", max_tokens=FREE_MAX_TOKENS, request_id="late-1"),
+            metadata=auth(key), timeout=3)))
+        assert got == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert engine.servicer.cancel_seen.wait(10)
+    finally:
+        engine.servicer.delay = 0.05
+    assert "late-1" in engine.servicer.cancelled
+    (row,) = wait_for(lambda: meter_rows(meter_stub, "late-1"))
+    assert row["status"] in ("DEADLINE_EXCEEDED", "CANCELLED")
+
+
 def test_count_tokens_and_list_models(gateway, key):
     stub = gateway.stub()
     assert stub.CountTokens(pb.CountTokensRequest(prompt="a b c"), metadata=auth(key),
@@ -208,30 +227,39 @@ def test_unavailable_engine_before_the_first_token_is_retried_elsewhere(
         up.stop()
 
 
-def test_usage_waits_in_the_spool_while_the_meter_is_down(workdir, control, key, tokenizer,
-                                                          engine, meter_stub, meter):
-    from tests.conftest import free_port
-    from tests.integration.meter_service.service_process import ServiceProcess
-
+def test_spooled_usage_survives_a_crash_and_reaches_the_meter_later(workdir, control, key,
+                                                                   tokenizer, engine):
     late_port = free_port()
-    gw = start_gateway(workdir, control.endpoint, tokenizer.target, f"127.0.0.1:{late_port}",
-                       [engine.target], name="gateway-spool")
     late = ServiceProcess("services.meter", ["--port", str(late_port), "--metrics-port", "-1",
                                              "--db", str(workdir / "late-meter.db")],
                           late_port, log_path=workdir / "late-meter.log")
+    args = (workdir, control.endpoint, tokenizer.target, f"127.0.0.1:{late_port}",
+            [engine.target])
+    gw = start_gateway(*args, name="gateway-spool")
     try:
         list(gw.stub().Generate(pb.GenerateRequest(prompt="hi", max_tokens=2,
                                                    request_id="spooled-1"),
                                 metadata=auth(key), timeout=20))
-        # The request completed with no meter: its usage is on disk in the spool.
-        assert gw.spool.exists()
+        # The request completed while no meter listened; the gateway dies without a flush.
+        gw.proc.kill()
         late.start()
-        import grpc as _grpc
-        from tokenserve.meter.v1 import meter_pb2_grpc
-        with _grpc.insecure_channel(late.target) as ch:
+        gw = start_gateway(*args, name="gateway-spool")  # same spool file
+        with grpc.insecure_channel(late.target) as ch:
             late_stub = meter_pb2_grpc.MeterServiceStub(ch)
             (row,) = wait_for(lambda: meter_rows(late_stub, "spooled-1"), timeout=60)
-        assert row["completion_tokens"] == "2"
+        assert row["completion_tokens"] == "2" and row["status"] == "OK"
     finally:
         assert gw.stop() == 0
         late.stop()
+
+
+def test_gateway_refuses_to_start_without_etcd_or_a_snapshot(workdir, tokenizer, meter):
+    port = free_port()
+    proc = ServiceProcess("services.gateway", [
+        "--port", str(port), "--metrics-port", "-1", "--etcd-endpoints",
+        f"127.0.0.1:{free_port()}", "--tokenizer", tokenizer.target, "--meter", meter.target,
+        "--snapshot", str(workdir / "never-written.json"), "--spool", str(workdir / "x.db")],
+        port, log_path=workdir / "no-etcd.log")
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        proc.start(timeout=60)
+    assert "no last-known-good snapshot" in (workdir / "no-etcd.log").read_text()

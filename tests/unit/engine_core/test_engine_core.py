@@ -179,3 +179,29 @@ def test_scheduler_and_block_manager_do_not_import_torch():
             "services.engine.engine_core, services.engine.sequence; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_metrics_observer_counts_tokens_latencies_and_finishes():
+    from prometheus_client import REGISTRY
+
+    from services.engine.metrics import EngineMetrics
+
+    def value(name, labels=None):
+        return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+    before = {n: value(n) for n in ("tokenserve_engine_generated_tokens_total",
+                                    "tokenserve_engine_time_to_first_token_seconds_count",
+                                    "tokenserve_engine_inter_token_latency_seconds_count")}
+    stopped = value("tokenserve_engine_requests_total", {"finish_reason": "length"})
+    core, _ = make_core(observer=EngineMetrics(), clock=Clock())
+    for i in range(3):
+        core.add(make_seq(i, 6, max_tokens=4))
+    drain(core)
+    assert value("tokenserve_engine_generated_tokens_total") - before[
+        "tokenserve_engine_generated_tokens_total"] == 12
+    assert value("tokenserve_engine_time_to_first_token_seconds_count") - before[
+        "tokenserve_engine_time_to_first_token_seconds_count"] == 3
+    assert value("tokenserve_engine_inter_token_latency_seconds_count") - before[
+        "tokenserve_engine_inter_token_latency_seconds_count"] == 9
+    assert value("tokenserve_engine_requests_total", {"finish_reason": "length"}) - stopped == 3
+    assert value("tokenserve_engine_kv_blocks_free") == 256

@@ -86,7 +86,8 @@ class MeterServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExportCsv(self, request, context):
-        """Streams matching events as CSV lines (header first).
+        """Streams matching events as CSV lines (header first), in finish-time order. Uses the
+        tenant, time window and source of the request; group_by and bucket_seconds are ignored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

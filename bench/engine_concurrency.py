@@ -1,0 +1,278 @@
+"""Engine under concurrent streams vs transformers batched generate, in the same run.
+
+    python -m bench.engine_concurrency [--runs 3] [--concurrency 1,4,16,64] [--new-tokens 64]
+
+Workloads: N concurrent streams of 64-token prompts generating 64 tokens (EOS ignored),
+for N in --concurrency, plus a mixed load (a quarter of 16 streams with 512-token prompts,
+the rest 64). Every peer gets the same token ids.
+  - tokenserve: a `python -m services.engine` process, streams over gRPC on loopback;
+    TTFT and inter-token latency measured by the client per stream.
+  - transformers (float32 and bfloat16): `generate` on the whole batch at once (static
+    batching, left padding); per-step times come from a stopping-criteria hook, so TTFT is
+    the batch prefill and ITL the batch decode step.
+Aggregate tokens/s = generated tokens / wall time of the workload. Medians over --runs.
+Prefix caching is off in the engine (distinct prompts per stream anyway).
+Writes bench/results/engine_concurrency.json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import grpc
+
+from tokenserve.engine.v1 import engine_pb2 as pb
+from tokenserve.engine.v1 import engine_pb2_grpc
+from tokenserve.models import default_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def workloads(concurrency: list[int], new_tokens: int, seed: int = 0) -> dict[str, list[list[int]]]:
+    rng = random.Random(seed)
+
+    def prompt(n):
+        return [rng.randrange(200, 40000) for _ in range(n)]
+    loads = {f"c{c}": [prompt(64) for _ in range(c)] for c in concurrency}
+    loads["mixed16"] = [prompt(512 if i % 4 == 0 else 64) for i in range(16)]
+    return loads
+
+
+def summarize(ttft: list[float], itl: list[float], tokens: int, wall: float) -> dict:
+    return {"tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99)}
+
+
+# -- tokenserve --------------------------------------------------------------------------
+class Engine:
+    def __init__(self, args: list[str], log_path: Path):
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "services.engine", "--port", str(self.port),
+               "--metrics-port", "-1", "--no-prefix-caching", *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_path.open("wb"),
+                                     stderr=subprocess.STDOUT)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait(self, timeout=900):
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.target) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("engine exited while starting")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError("engine did not start")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+async def run_tokenserve(target: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = engine_pb2_grpc.EngineServiceStub(ch)
+        ttft, itl = [], []
+
+        async def one(p):
+            t0 = time.perf_counter()
+            last, n = None, 0
+            async for m in stub.Generate(pb.GenerateRequest(prompt_token_ids=p, max_tokens=new_tokens,
+                                                            ignore_eos=True), timeout=3600):
+                now = time.perf_counter()
+                k = len(m.token_ids)
+                if k:
+                    if last is None:
+                        ttft.append(now - t0)
+                    else:  # a message can carry several tokens: spread its gap over them
+                        itl.extend([(now - last) / k] * k)
+                    last, n = now, n + k
+            return n
+
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts))
+        wall = time.perf_counter() - t0
+    return summarize(ttft, itl, sum(counts), wall)
+
+
+# -- transformers ------------------------------------------------------------------------
+def load_transformers(dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 torch_dtype=getattr(torch, dtype))
+    model.eval()
+    return model
+
+
+def run_transformers(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Stamp(StoppingCriteria):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores, **kw):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    width = max(len(p) for p in prompts)
+    pad = 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    stamp = Stamp()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
+                             stopping_criteria=StoppingCriteriaList([stamp]))
+    wall = time.perf_counter() - t0
+    tokens = (out.shape[1] - width) * len(prompts)
+    first = stamp.times[0] - t0
+    steps = [b - a for a, b in zip(stamp.times, stamp.times[1:])]
+    # every stream in the batch sees the same prefill and the same step gaps
+    return summarize([first] * len(prompts), steps * len(prompts), tokens, wall)
+
+
+# -- driver ------------------------------------------------------------------------------
+def median_runs(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--engine-arg", action="append", default=[],
+                    help="extra engine flag, e.g. --engine-arg=--max-batched-tokens=512")
+    ap.add_argument("--peers", default="tokenserve,transformers-float32,transformers-bfloat16")
+    ap.add_argument("--out", default=str(RESULTS / "engine_concurrency"))
+    a = ap.parse_args(argv)
+    conc = [int(c) for c in a.concurrency.split(",")]
+    loads = workloads(conc, a.new_tokens)
+    peers = a.peers.split(",")
+    results: dict[str, dict[str, dict]] = {}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+
+    if "tokenserve" in peers:
+        eng = Engine(["--max-concurrency", str(max(64, *conc)), *a.engine_arg],
+                     RESULTS / "engine_concurrency.engine.log")
+        try:
+            eng.wait()
+            asyncio.run(run_tokenserve(eng.target, loads[f"c{conc[0]}"][:1], 4))  # warm-up
+            results["tokenserve"] = {}
+            for name, prompts in loads.items():
+                runs = [asyncio.run(run_tokenserve(eng.target, prompts, a.new_tokens))
+                        for _ in range(a.runs)]
+                results["tokenserve"][name] = median_runs(runs)
+                print("tokenserve", name, _fmt(results["tokenserve"][name]), flush=True)
+        finally:
+            eng.stop()
+    for peer in peers:
+        if not peer.startswith("transformers-"):
+            continue
+        import torch
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        model = load_transformers(peer.split("-", 1)[1])
+        run_transformers(model, loads[f"c{conc[0]}"][:1], 4)  # warm-up
+        results[peer] = {}
+        for name, prompts in loads.items():
+            runs = [run_transformers(model, prompts, a.new_tokens) for _ in range(a.runs)]
+            results[peer][name] = median_runs(runs)
+            print(peer, name, _fmt(results[peer][name]), flush=True)
+        del model
+
+    report = {"benchmark": "engine_concurrency", "when": datetime.now(timezone.utc).isoformat(),
+              "machine": {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform(),
+                          "load_avg_at_end": os.getloadavg()},
+              "model": "SmolLM2-135M-Instruct Q4_1 (GGUF), engine float32",
+              "runs": a.runs, "new_tokens": a.new_tokens, "engine_args": a.engine_arg,
+              "results": results, "ratios": ratios(results)}
+    Path(a.out + ".json").write_text(json.dumps(report, indent=2))
+    plot(results, Path(a.out + ".png"))
+    print(json.dumps(report["ratios"], indent=2))
+    return 0
+
+
+def _fmt(r: dict) -> str:
+    return (f"{r['tok_per_s']:.1f} tok/s  ttft p50 {r['ttft_p50_s']:.3f}s p99 {r['ttft_p99_s']:.3f}s"
+            f"  itl p50 {r['itl_p50_s'] * 1000:.0f}ms p99 {r['itl_p99_s'] * 1000:.0f}ms")
+
+
+def ratios(results: dict) -> dict:
+    """tokenserve tokens/s over the best transformers peer, per workload."""
+    out = {}
+    ts = results.get("tokenserve", {})
+    for name, r in ts.items():
+        best = max((p[name]["tok_per_s"] for k, p in results.items()
+                    if k != "tokenserve" and name in p), default=None)
+        if best:
+            out[name] = round(r["tok_per_s"] / best, 2)
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(next(iter(results.values())).keys()) if results else []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    metrics = [("tok_per_s", "aggregate tokens/s"), ("ttft_p99_s", "p99 TTFT (s)"),
+               ("itl_p99_s", "p99 inter-token latency (s)")]
+    width = 0.8 / max(1, len(results))
+    for ax, (key, title) in zip(axes, metrics):
+        for i, (peer, rs) in enumerate(results.items()):
+            xs = [j + i * width for j in range(len(names))]
+            ax.bar(xs, [rs[n][key] if n in rs else 0 for n in names], width, label=peer)
+        ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(names))], names)
+        ax.set_title(title)
+    axes[0].legend()
+    fig.suptitle("SmolLM2-135M: tokenserve engine (gRPC streams) vs transformers generate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""SmolLM2-135M-Instruct (the shipped Q4_1 GGUF): our runner against transformers loading the
+same file in float32. Greedy decoding must match token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.runner import ModelRunner
+from tests.integration.engine_model import oracle
+from tokenserve.models import default_model_path
+from tokenserve.tokenization import load_model_tokenizer
+
+pytestmark = pytest.mark.slow
+
+N_NEW = 64
+PARAGRAPHS = [
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based inks and a wooden press adapted from wine making.",
+    "Photosynthesis converts light energy into chemical energy: chlorophyll absorbs photons, water "
+    "is split, oxygen is released, and carbon dioxide is fixed into sugars by the Calvin cycle.",
+    "In distributed systems, consensus protocols such as Raft elect a leader, replicate a log to "
+    "followers and commit entries once a majority has stored them, tolerating minority failures.",
+    "A good sourdough needs a lively starter, a long cold fermentation, careful shaping and a very "
+    "hot oven with steam during the first twenty minutes so that the crust can expand.",
+    "The Pacific Ocean covers about a third of the Earth's surface; its trenches reach depths of "
+    "nearly eleven kilometres, and its ring of fire hosts most of the world's active volcanoes.",
+    "Compilers translate source code through lexing, parsing, semantic analysis, optimisation "
+    "passes over an intermediate representation, register allocation and finally code emission.",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_model_tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    return ModelRunner(default_model_path(), num_blocks=160)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def prompts(tok) -> dict[str, list[int]]:
+    long_ids: list[int] = []
+    i = 0
+    while len(long_ids) < 1000:
+        long_ids += tok.encode(PARAGRAPHS[i % len(PARAGRAPHS)] + f" (section {i})\n")
+        i += 1
+    chat = tok.encode_chat([{"role": "system", "content": "You are a concise assistant."},
+                            {"role": "user", "content": "Give me three tips for writing clear code."}])
+    return {
+        "plain": tok.encode("The capital of France is"),
+        "chat": chat,
+        "code": tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+        "multilingual": tok.encode("Traduis en français : « The weather is nice today. » Réponse :"),
+        "list": tok.encode("Here is a list of the planets in the solar system:\n1."),
+        "long_1000": long_ids[:1000],
+    }
+
+
+@pytest.fixture(scope="module")
+def cases(tok):
+    return prompts(tok)
+
+
+@pytest.mark.parametrize("name", ["plain", "chat", "code", "multilingual", "list", "long_1000"])
+def test_greedy_64_tokens_match_transformers(runner, hf_model, cases, name):
+    prompt = cases[name]
+    # The long prompt is prefilled in chunks, as the scheduler does under a token budget.
+    ours = oracle.runner_greedy(runner, prompt, N_NEW, prefill_chunk=256 if len(prompt) > 500 else 10_000,
+                                stop_ids=runner.eos_token_ids)
+    theirs = oracle.hf_greedy(hf_model, prompt, N_NEW)
+    assert ours == theirs[:len(ours)]
+    assert len(ours) == len(theirs)
+
+
+@pytest.mark.parametrize("name", ["plain", "chat", "long_1000"])
+def test_last_position_logits_agree(runner, hf_model, cases, name):
+    prompt = cases[name]
+    ours = oracle.runner_last_logits(runner, prompt)
+    theirs = oracle.hf_last_logits(hf_model, prompt)
+    assert ours.argmax().item() == theirs.argmax().item()
+    assert torch.allclose(ours, theirs, atol=2e-3, rtol=0), (ours - theirs).abs().max().item()
+
+
+def test_runner_reports_the_gguf_metadata(runner):
+    assert runner.model_name == "Smollm2 135M 8k Lc100K Mix1 Ep2"
+    assert runner.vocab_size == 49152 and runner.eos_token_ids == (2,)
+    assert runner.max_context == 160 * 16

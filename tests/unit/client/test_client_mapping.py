@@ -1,0 +1,85 @@
+"""SDK request building and error mapping (pure logic; the SDK against the real gateway is in
+tests/integration/gateway/test_sdk.py)."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tokenserve import client as sdk
+from tokenserve.common.v1 import common_pb2
+from tokenserve.gateway.v1 import gateway_pb2
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code, details, trailing=()):
+        self._code, self._details, self._trailing = code, details, trailing
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._trailing
+
+
+def test_options_go_to_the_top_level_or_the_sampling_message():
+    req = sdk._generate_request("hi", "m", 7, dict(temperature=0.5, top_k=4, seed=3, min_p=0.1,
+                                                   presence_penalty=0.5, stop="END", app="a",
+                                                   request_id="r1", top_p=None))
+    assert (req.prompt, req.model, req.max_tokens) == ("hi", "m", 7)
+    assert req.temperature == 0.5 and req.top_k == 4 and req.seed == 3
+    assert not req.HasField("top_p")  # None means "not set"
+    assert req.sampling.HasField("min_p") and req.sampling.presence_penalty == 0.5
+    assert list(req.stop) == ["END"] and req.app == "a" and req.request_id == "r1"
+
+
+def test_unknown_options_are_a_type_error_listing_the_allowed_ones():
+    with pytest.raises(TypeError, match="temprature.*allowed: temperature"):
+        sdk._generate_request("hi", "", 1, {"temprature": 1.0})
+
+
+def test_messages_accept_dicts_and_pairs():
+    req = sdk._chat_request([{"role": "system", "content": "be brief"}, ("user", "hi")], "", 3, {})
+    assert [(m.role, m.content) for m in req.messages] == [("system", "be brief"), ("user", "hi")]
+
+
+def test_count_tokens_needs_exactly_one_input():
+    with pytest.raises(TypeError):
+        sdk._count_request(None, None, "")
+    with pytest.raises(TypeError):
+        sdk._count_request("a", [("user", "b")], "")
+    assert sdk._count_request(None, [("user", "b")], "").WhichOneof("input") == "chat"
+
+
+@pytest.mark.parametrize("code, cls", [
+    (grpc.StatusCode.UNAUTHENTICATED, sdk.AuthenticationError),
+    (grpc.StatusCode.PERMISSION_DENIED, sdk.PermissionDeniedError),
+    (grpc.StatusCode.INVALID_ARGUMENT, sdk.InvalidRequestError),
+    (grpc.StatusCode.NOT_FOUND, sdk.NotFoundError),
+    (grpc.StatusCode.UNAVAILABLE, sdk.UnavailableError),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, sdk.DeadlineExceededError),
+    (grpc.StatusCode.ABORTED, sdk.TokenserveError),
+])
+def test_status_codes_become_readable_exceptions(code, cls):
+    err = sdk._error(FakeRpcError(code, "max_tokens must be >= 1"))
+    assert type(err) is cls
+    assert err.code == code and err.message == "max_tokens must be >= 1"
+    assert str(err) == f"{code.name}: max_tokens must be >= 1"
+
+
+def test_rate_limits_carry_retry_after_seconds():
+    err = sdk._error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "slow down",
+                                  (("retry-after-ms", "1500"),)))
+    assert isinstance(err, sdk.RateLimitError) and err.retry_after == 1.5
+
+
+def test_last_chunk_carries_finish_reason_and_usage():
+    mid = sdk._chunk(gateway_pb2.GenerateResponse(text="a", token_ids=[1], request_id="r"))
+    assert (mid.finish_reason, mid.usage, mid.request_id) == (None, None, "r")
+    last = sdk._chunk(gateway_pb2.GenerateResponse(
+        text="b", token_ids=[2], finish_reason=common_pb2.FINISH_REASON_STOP,
+        usage=common_pb2.Usage(prompt_tokens=4, completion_tokens=2), model_version="v1"))
+    assert last.finish_reason == "stop" and last.usage == sdk.Usage(4, 2, 0)
+    assert sdk._collect([mid, last]) == ("ab", sdk.Usage(4, 2, 0))
