@@ -25,6 +25,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     quantization: str = "none"
+    # CPU threads for torch (None: every core this process may use).
+    threads: int | None = None
     # Most requests running at once (batch rows); more wait, up to max_waiting.
     max_concurrency: int = 64
     max_waiting: int = 256
@@ -57,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_concurrency < 1 or self.max_waiting < 0:
             raise ValueError("max_concurrency must be >= 1 and max_waiting >= 0")
         if self.max_batched_tokens < self.max_concurrency:

@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default="none", help="none | int8 (weight-only)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the model (default: all cores available)")
     p.add_argument("--max-concurrency", type=int, default=64)
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--max-batched-tokens", type=int, default=256,
@@ -67,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             model_path=a.model_path or default_model_path(), model_name=a.model_name,
             version=a.version, host=a.host, port=a.port,
             metrics_port=None if a.metrics_port < 0 else a.metrics_port, device=a.device,
-            dtype=a.dtype, quantization=a.quantization, max_concurrency=a.max_concurrency,
+            dtype=a.dtype, quantization=a.quantization, threads=a.threads, max_concurrency=a.max_concurrency,
             max_waiting=a.max_waiting, max_batched_tokens=a.max_batched_tokens,
             block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
             enable_prefix_caching=not a.no_prefix_caching, watts=a.watts,
@@ -96,7 +98,7 @@ def build_core(config: EngineConfig) -> EngineCore:
         config.model_path, device=config.device, dtype=config.dtype,
         quantization=config.quantization, block_size=config.block_size,
         kv_cache_bytes=config.kv_cache_mb * 2**20 if config.kv_cache_mb else None,
-        max_num_seqs=config.max_concurrency, progress=progress)
+        max_num_seqs=config.max_concurrency, progress=progress, num_threads=config.threads)
     tokenizer = load_model_tokenizer(config.model_path)
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config.max_concurrency,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.engine import int8_kernel
+
 QUANTIZATIONS = ("none", "int8")
 
 
@@ -21,24 +23,30 @@ class DenseLinear:
 
 
 class Int8Linear:
-    """Symmetric int8 weights, one float scale per output row: w ~= q * scale[:, None].
+    """Symmetric int8 weights, one float32 scale per output row: w ~= q * scale[:, None].
 
-    Uses torch's packed int8 kernel (reads 1 byte per weight); its CPU kernel is fast with
-    bfloat16 activations, so activations are converted around it and the result cast back.
+    Few rows (decode): the AVX2 kernel in int8_kernel reads 1 byte per weight. Many rows
+    (prefill, compute-bound): dequantize once per call and use the float GEMM.
+    Without the kernel (no AVX2 or no compiler) every call takes the dequantize path.
     """
 
-    __slots__ = ("qweight", "scale", "out_dtype")
+    __slots__ = ("qweight", "scale", "out_dtype", "_lib")
+    KERNEL_MAX_ROWS = 16
 
     def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype):
         w = weight.float()
-        amax = w.abs().amax(dim=1).clamp(min=1e-8)
-        self.scale = (amax / 127.0).to(torch.bfloat16)  # [out]
-        self.qweight = torch.round(w / self.scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale = (w.abs().amax(dim=1).clamp(min=1e-8) / 127.0).contiguous()  # [out]
+        self.qweight = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         self.out_dtype = out_dtype
+        usable = self.qweight.device.type == "cpu" and self.qweight.shape[1] % 32 == 0
+        self._lib = int8_kernel.load() if usable else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale)
-        return y.to(self.out_dtype)
+        if self._lib is not None and x.shape[0] <= self.KERNEL_MAX_ROWS:
+            y = int8_kernel.int8_linear(self._lib, x.float(), self.qweight, self.scale)
+            return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
+        w = self.qweight.to(x.dtype)
+        return F.linear(x, w) * self.scale.to(x.dtype)
 
 
 def make_linear(weight: torch.Tensor, *, quantization: str, dtype: torch.dtype, device: str):

@@ -29,4 +29,5 @@ def configure_logging(service: str, level: str = "info") -> structlog.stdlib.Bou
 
 
 def get_logger(**bind) -> structlog.stdlib.BoundLogger:
-    return structlog.get_logger().bind(**bind)
+    # Lazy: module-level loggers created before configure_logging() still log JSON.
+    return structlog.get_logger(**bind)

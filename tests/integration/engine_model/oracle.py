@@ -31,11 +31,22 @@ def runner_greedy(runner: ModelRunner, prompt: list[int], n: int, *, seq_id: int
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy generate (max n new tokens, stops at EOS)."""
     with torch.inference_mode():
         ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=n, do_sample=False, top_p=None, top_k=None, temperature=None,
                              pad_token_id=model.config.eos_token_id)
     return ids[0, len(prompt):].tolist()
+
+
+def hf_argmax_along(model, prompt: list[int], generated: list[int]) -> list[int]:
+    """transformers' argmax after prompt + generated[:i] for every i, in one forward pass.
+
+    Equal to `generated` exactly when transformers' greedy decoding would produce the same
+    tokens (each step's argmax is conditioned on the same prefix), at the cost of one pass."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + generated[:-1]])).logits[0]
+    return logits[len(prompt) - 1:].argmax(-1).tolist()
 
 
 def runner_last_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
@@ -52,3 +63,12 @@ def runner_last_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
 def hf_last_logits(model, prompt: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([prompt])).logits[0, -1].float()
+
+
+def hf_greedy_no_eos(model, prompt: list[int], n: int) -> list[int]:
+    """Plain argmax decoding by full forwards (no EOS handling): for tiny models only."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]

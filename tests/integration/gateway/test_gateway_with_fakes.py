@@ -249,8 +249,8 @@ def test_spooled_usage_survives_a_crash_and_reaches_the_meter_later(workdir, con
             (row,) = wait_for(lambda: meter_rows(late_stub, "spooled-1"), timeout=60)
         assert row["completion_tokens"] == "2" and row["status"] == "OK"
     finally:
-        assert gw.stop() == 0
-        late.stop()
+        codes = (gw.stop(), late.stop())
+    assert codes == (0, 0)
 
 
 def test_gateway_refuses_to_start_without_etcd_or_a_snapshot(workdir, tokenizer, meter):
