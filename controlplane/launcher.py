@@ -128,7 +128,8 @@ class Suite:
                          "--db", str(self.data_dir / "meter.db")]
         if name == "tokenizer":
             return py + ["--port", str(p.tokenizer), "--metrics-port", str(p.tokenizer_metrics),
-                         "--model", f"{DEFAULT_MODEL_NAME}={model}"]
+                         "--model", f"{DEFAULT_MODEL_NAME}={model}", *etcd,
+                         "--config-snapshot", str(self.data_dir / "tokenizer-config.json")]
         if name == "engine":
             return py + ["--port", str(p.engine), "--metrics-port", str(p.engine_metrics),
                          "--model-path", model, "--model-name", DEFAULT_MODEL_NAME,

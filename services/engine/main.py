@@ -69,9 +69,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             model_path=a.model_path or default_model_path(), model_name=a.model_name,
             version=a.version, host=a.host, port=a.port,
             metrics_port=None if a.metrics_port < 0 else a.metrics_port, device=a.device,
-            dtype=a.dtype, quantization=a.quantization, threads=a.threads, max_concurrency=a.max_concurrency,
-            max_waiting=a.max_waiting, max_batched_tokens=a.max_batched_tokens,
-            block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
+            dtype=a.dtype, quantization=a.quantization, threads=a.threads,
+            max_concurrency=a.max_concurrency, max_waiting=a.max_waiting,
+            max_batched_tokens=a.max_batched_tokens, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
             enable_prefix_caching=not a.no_prefix_caching, watts=a.watts,
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
             advertise=a.advertise, grace_seconds=a.grace_seconds, drain_seconds=a.drain_seconds,
@@ -103,7 +103,9 @@ def build_core(config: EngineConfig) -> EngineCore:
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config.max_concurrency,
                         max_num_batched_tokens=config.max_batched_tokens,
-                        max_waiting=config.max_waiting, max_model_len=runner.max_context),
+                        max_waiting=config.max_waiting, max_model_len=runner.max_context,
+                        # keep ~1% free so running requests can grow without preemption
+                        admission_reserve_blocks=max(1, runner.num_blocks // 100)),
         BlockManager(runner.num_blocks, runner.block_size,
                      enable_prefix_caching=config.enable_prefix_caching),
         frozenset(runner.eos_token_ids))

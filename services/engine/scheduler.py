@@ -152,7 +152,9 @@ class Scheduler:
             seq = self._next_waiting()
             cached = self.blocks.find_cached_prefix(seq)
             n = min(seq.num_remaining - len(cached) * self.blocks.block_size, budget)
-            if not self.blocks.allocate(seq, n, cached, reserve=cfg.admission_reserve_blocks):
+            # the reserve is for running sequences to grow into; an idle engine needs none
+            reserve = cfg.admission_reserve_blocks if self.running else 0
+            if not self.blocks.allocate(seq, n, cached, reserve=reserve):
                 break
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)

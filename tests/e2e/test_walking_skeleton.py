@@ -186,6 +186,41 @@ def test_key_issued_live_works_and_revoked_key_is_refused(suite):
         assert wait_for(refused, timeout=10)
 
 
+def config_revisions(suite) -> dict[str, float]:
+    """Each service's tokenserve_<service>_config_revision gauge, for those that watch etcd."""
+    import urllib.request
+
+    found = {}
+    for name in SERVICES:
+        port = getattr(suite.ports, f"{name}_metrics")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(f"tokenserve_{name}_config_revision "):
+                    found[name] = float(line.split()[1])
+    return found
+
+
+def test_tier_change_applies_live_to_every_watching_service(suite, key):
+    before = config_revisions(suite)
+    assert {"gateway", "tokenizer"} <= set(before), before
+    out = subprocess.run(TSCTL + ["--endpoints", suite.etcd_endpoint, "tier", "set", "standard",
+                                  "--max-tokens", "7"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    try:
+        def applied():
+            now = config_revisions(suite)
+            return now if all(now[n] > before[n] for n in before) else None
+
+        now = wait_for(applied, timeout=10)
+        assert now, f"not every service saw the change: {config_revisions(suite)} (before {before})"
+        assert len(set(now.values())) == 1, now  # all at the same revision
+        code, _, err = grpcurl(suite, GENERATE, {"prompt": "hi", "max_tokens": 8}, key)
+        assert "InvalidArgument" in err and "at most 7" in err
+    finally:
+        subprocess.run(TSCTL + ["--endpoints", suite.etcd_endpoint, "tier", "set", "standard",
+                                "--max-tokens", "2048"], capture_output=True, timeout=60)
+
+
 def test_sigterm_goes_not_serving_then_exits_cleanly(suite):
     for name in reversed(SERVICES):
         proc = suite.procs[name]

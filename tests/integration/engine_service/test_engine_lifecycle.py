@@ -21,7 +21,7 @@ async def test_full_queue_is_resource_exhausted_and_sigterm_drains_then_exits(tm
         await asyncio.to_thread(proc.wait_serving)
         async with grpc.aio.insecure_channel(proc.target) as ch:
             stub = engine_pb2_grpc.EngineServiceStub(ch)
-            long = pb.GenerateRequest(prompt_token_ids=[500, 501], max_tokens=1000, ignore_eos=True)
+            long = pb.GenerateRequest(prompt_token_ids=[500, 501], max_tokens=600, ignore_eos=True)
             running = [stub.Generate(long) for _ in range(16)]  # max concurrency 16
             for call in running:
                 await call.read()

@@ -88,8 +88,8 @@ async def test_streams_tokens_and_text_with_usage_on_the_last_message(stub, toke
 
 async def test_batched_results_equal_unbatched_for_32_requests(stub):
     rng = random.Random(3)
-    reqs = [dict(request_id=f"b{i}", max_tokens=rng.randint(3, 8), ignore_eos=True,
-                 prompt_token_ids=[rng.randrange(100, 40000) for _ in range(rng.randint(2, 60))])
+    reqs = [dict(request_id=f"b{i}", max_tokens=rng.randint(2, 6), ignore_eos=True,
+                 prompt_token_ids=[rng.randrange(100, 40000) for _ in range(rng.randint(2, 40))])
             for i in range(32)]
     alone = [[t for m in await generate(stub, **r) for t in m.token_ids] for r in reqs]
     together = await asyncio.gather(*(generate(stub, **r) for r in reqs))
@@ -152,7 +152,7 @@ async def test_cancelled_streams_free_their_blocks(stub):
 
 async def test_deadline_expiry_aborts_the_request(stub):
     await wait_idle(stub)
-    call = stub.Generate(pb.GenerateRequest(prompt_token_ids=[300, 301, 302], max_tokens=1000,
+    call = stub.Generate(pb.GenerateRequest(prompt_token_ids=[300, 301, 302], max_tokens=600,
                                             ignore_eos=True), timeout=1.5)
     with pytest.raises(grpc.aio.AioRpcError) as e:
         async for _ in call:

@@ -90,8 +90,11 @@ _GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
 
 
 def write_gguf(path: Path, weights: dict[str, torch.Tensor], qtype: str = "F32", *,
-               arch: str = "llama", tokenizer: bool = True, name: str = "tiny-llama") -> Path:
-    """qtype: F32, F16 or any type gguf.quants can quantize (Q8_0, ...) for 2-D weights."""
+               arch: str = "llama", tokenizer: bool = True, name: str = "tiny-llama",
+               raw_q_type: str | None = None) -> Path:
+    """qtype: F32, F16 or any type gguf.quants can quantize (Q8_0, ...) for 2-D weights.
+    raw_q_type: store blk.0.attn_q.weight as zero bytes of this type (e.g. one the gguf
+    package cannot dequantize)."""
     import gguf
 
     qt = gguf.GGMLQuantizationType[qtype]
@@ -128,7 +131,11 @@ def write_gguf(path: Path, weights: dict[str, torch.Tensor], qtype: str = "F32",
             elif rest == "self_attn.k_proj":
                 a = _permute(a, KV_HEADS)
         gname += ".weight"
-        if a.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
+        if raw_q_type and gname == "blk.0.attn_q.weight":
+            rt = gguf.GGMLQuantizationType[raw_q_type]
+            block, size = gguf.GGML_QUANT_SIZES[rt]
+            w.add_tensor(gname, np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8), raw_dtype=rt)
+        elif a.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, a)
         elif qt == gguf.GGMLQuantizationType.F16:
             w.add_tensor(gname, a.astype(np.float16))

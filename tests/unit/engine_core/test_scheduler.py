@@ -172,3 +172,15 @@ def test_prefix_cache_hit_is_reported_and_output_unchanged():
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == 36  # 9 full blocks of 4
     assert second.output_token_ids == reference_output(second.prompt_token_ids, 4)
+
+
+def test_admission_keeps_a_reserve_for_running_sequences_to_grow():
+    sched, runner = make(num_blocks=6, admission_reserve_blocks=2, max_num_batched_tokens=32)
+    a, b = make_seq(1, 8, max_tokens=2), make_seq(2, 12, max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    batch = step(sched, runner)
+    # a takes 2 blocks (idle engine: no reserve); b needs 3 more but only 4 are free - 2 kept
+    assert [c.seq_id for c in batch.chunks] == [1]
+    run_all(sched, runner)
+    assert b.output_token_ids == reference_output(b.prompt_token_ids, 2)
