@@ -27,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -197,8 +198,9 @@ def main(argv=None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
 
     if "tokenserve" in peers:
-        eng = Engine(["--max-concurrency", str(max(64, *conc)), *a.engine_arg],
-                     RESULTS / "engine_concurrency.engine.log")
+        log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.engine.log"
+        print("engine log:", log_path, flush=True)
+        eng = Engine(["--max-concurrency", str(max(64, *conc)), *a.engine_arg], log_path)
         try:
             eng.wait()
             asyncio.run(run_tokenserve(eng.target, loads[f"c{conc[0]}"][:1], 4))  # warm-up

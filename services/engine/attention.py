@@ -52,7 +52,7 @@ class AttentionMetadata:
     decode_start: int = 0
     # [B, max_blocks] block tables of the decode rows (padded with block 0).
     decode_blocks: torch.Tensor | None = None
-    # [B, 1, 1, max_blocks * block_size] True where a key position is < the row's context length.
+    # [B, 1, 1, max_blocks * block_size] True where a key position is padding (>= context length).
     decode_mask: torch.Tensor | None = None
     # Single decode row whose blocks are consecutive: (first block, context length); read as a view.
     decode_contiguous: tuple[int, int] | None = None
@@ -86,7 +86,7 @@ def build_metadata(spans: list[tuple[int, int, list[int]]], block_size: int,
         meta.decode_blocks = torch.tensor(tables, dtype=torch.long, device=device)
         ctx_lens = torch.tensor([ctx for ctx, _ in decodes], dtype=torch.long, device=device)
         pos = torch.arange(nb * block_size, device=device)
-        meta.decode_mask = (pos[None, :] < ctx_lens[:, None])[:, None, None, :]
+        meta.decode_mask = (pos[None, :] >= ctx_lens[:, None])[:, None, None, :]
     return meta
 
 
@@ -119,6 +119,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Ten
     """q: [T, H, D]; k, v: [T, Hkv, D] (already written to the cache) -> [T, H * D]."""
     t, h, d = q.shape
     group = h // k.shape[1]
+    if not meta.prefills:  # decode-only step: no staging buffer
+        return _decode(q, cache_k, cache_v, meta, scale, group).view(t, h * d)
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
@@ -139,22 +141,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Ten
         out[rows] = o[0].transpose(0, 1)
     start = meta.decode_start
     if start < t:
-        b = t - start
-        qd = q[start:].view(b, h // group, group, d)  # [B, Hkv, G, D]
-        if meta.decode_contiguous is not None:
-            first, ctx = meta.decode_contiguous
-            nb = -(-ctx // cache_k.shape[1])
-            ks = cache_k[first:first + nb].flatten(0, 1)[:ctx].unsqueeze(0)  # [1, L, Hkv, D]
-            vs = cache_v[first:first + nb].flatten(0, 1)[:ctx].unsqueeze(0)
-            mask = None
-        else:
-            ks = cache_k[meta.decode_blocks].flatten(1, 2)  # [B, L, Hkv, D]
-            vs = cache_v[meta.decode_blocks].flatten(1, 2)
-            mask = meta.decode_mask  # [B, 1, 1, L]
-        # one query per row: plain matmuls beat the flash kernel here
-        scores = torch.matmul(qd, ks.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, L]
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[start:] = torch.matmul(probs, vs.transpose(1, 2)).view(b, h, d)  # [B, Hkv, G, D]
+        out[start:] = _decode(q[start:], cache_k, cache_v, meta, scale, group)
     return out.view(t, h * d)
+
+
+def _decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, meta: AttentionMetadata,
+            scale: float, group: int) -> torch.Tensor:
+    """One query per row. q: [B, H, D] -> [B, H, D]. Plain matmuls beat the flash kernel here."""
+    b, h, d = q.shape
+    qd = q.view(b, h // group, group, d)  # [B, Hkv, G, D]
+    if meta.decode_contiguous is not None:
+        first, ctx = meta.decode_contiguous
+        nb = -(-ctx // cache_k.shape[1])
+        ks = cache_k[first:first + nb].flatten(0, 1)[:ctx].unsqueeze(0)  # [1, L, Hkv, D], a view
+        vs = cache_v[first:first + nb].flatten(0, 1)[:ctx].unsqueeze(0)
+        mask = None
+    else:
+        ks = cache_k[meta.decode_blocks].flatten(1, 2)  # [B, L, Hkv, D]
+        vs = cache_v[meta.decode_blocks].flatten(1, 2)
+        mask = meta.decode_mask  # [B, 1, 1, L]
+    scores = torch.matmul(qd, ks.permute(0, 2, 3, 1)).mul_(scale)  # [B, Hkv, G, L]
+    if mask is not None:
+        scores = scores.masked_fill_(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vs.transpose(1, 2)).view(b, h, d)  # [B, Hkv, G, D]

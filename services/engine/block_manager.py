@@ -85,7 +85,7 @@ class BlockManager:
         for i in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[i - 1] if i else None
             seq.block_hashes.append(chain_hash(parent, seq.tokens(i * bs, (i + 1) * bs)))
-        for i in range(full):
+        for i in range(seq.num_registered_blocks, full):
             b = seq.block_table[i]
             if self._hash[b] is not None:
                 continue
@@ -95,6 +95,7 @@ class BlockManager:
             if h not in self._cached:
                 self._cached[h] = b
                 self._hash[b] = h
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     # -- allocation ------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = (),
@@ -118,6 +119,7 @@ class BlockManager:
             self._ref[b] += 1
             seq.block_table.append(b)
         seq.num_computed_tokens += len(cached) * self.block_size
+        seq.num_registered_blocks += len(cached)
         for _ in range(self._new_blocks_needed(seq, num_new_tokens, ())):
             b, _ = self._free.popitem(last=False)
             h = self._hash[b]
@@ -137,6 +139,7 @@ class BlockManager:
                 if self._hash[b] is None:
                     self._free.move_to_end(b, last=False)
         seq.block_table.clear()
+        seq.num_registered_blocks = 0
 
     def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached) -> int:
         have = len(seq.block_table) + len(cached)

@@ -116,6 +116,13 @@ class EngineLoop:
                                  blocks_free=b.num_free_blocks, blocks_total=b.num_blocks)
 
 
+def merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """b after a, as one output."""
+    return RequestOutput(a.seq_id, a.request_id, token_ids=a.token_ids + b.token_ids,
+                         text=a.text + b.text, logprobs=a.logprobs + b.logprobs,
+                         finish_reason=b.finish_reason, final=b.final)
+
+
 class AsyncEngine:
     """The asyncio side: `generate(seq)` yields that request's outputs until it finishes;
     leaving the iteration early (cancel, deadline, error) aborts it on the step thread."""
@@ -147,6 +154,11 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return self.loop.stats.waiting + self.loop.pending
 
+    @property
+    def num_in_flight(self) -> int:
+        """Streams submitted and not yet finished (exact: counted on the event loop)."""
+        return len(self._queues)
+
     async def generate(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[seq.seq_id] = q
@@ -155,6 +167,9 @@ class AsyncEngine:
             self.loop.submit(seq)
             while not finished:
                 out: RequestOutput = await q.get()
+                # a slow reader gets what piled up as one message
+                while not out.finished and not q.empty():
+                    out = merge(out, q.get_nowait())
                 finished = out.finished
                 yield out
         finally:

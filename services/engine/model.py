@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from services.engine import cpu_kernels
 from services.engine.attention import AttentionMetadata, KVCache, attend, write_kv
 from services.engine.loader import LoadedWeights, ModelConfig
 from services.engine.quant import make_linear
@@ -21,7 +22,7 @@ class LlamaModel:
     """Weights plus forward(); holds no per-request state (that lives in the KV cache)."""
 
     def __init__(self, loaded: LoadedWeights, *, dtype: torch.dtype = torch.float32,
-                 quantization: str = "none", device: str = "cpu"):
+                 quantization: str = "none", device: str = "cpu", fused_kernels: bool = True):
         c = self.config = loaded.config
         t = loaded.tensors
         self.dtype, self.device = dtype, device
@@ -33,7 +34,7 @@ class LlamaModel:
             return w.to(device=device, dtype=dtype).contiguous()
 
         def lin(w: torch.Tensor):
-            return make_linear(w, quantization=quantization, dtype=dtype, device=device)
+            return make_linear(w, quantization=quantization, dtype=dtype, device=device, kernels=fused_kernels)
 
         self.embed = dense(t["embed"])  # [V, E]
         self.lm_head = lin(t["embed"] if c.tie_embeddings else t["lm_head"])
@@ -48,6 +49,8 @@ class LlamaModel:
                 gate_up=lin(torch.cat([t[p + "w_gate"], t[p + "w_up"]])),
                 down=lin(t[p + "w_down"]),
             ))
+        fusable = dtype == torch.float32 and device == "cpu" and c.hidden_size % 8 == 0
+        self._kernels = cpu_kernels.load() if fusable and fused_kernels else None
         cos, sin = rope_tables(c, t.get("rope_freqs"))
         self.rope_cos = cos.to(device=device, dtype=dtype)  # [max_position, D]
         self.rope_sin = sin.to(device=device, dtype=dtype)  # [max_position, D], first half negated
@@ -61,9 +64,9 @@ class LlamaModel:
         nq = c.num_heads + c.num_kv_heads  # heads that get RoPE
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)
-        x = F.embedding(input_ids, self.embed)  # [T, E]
+        x = F.embedding(input_ids, self.embed)  # [T, E], residual stream (updated in place)
+        h = self._norm(x, None, self.layers[0].attn_norm)
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (c.hidden_size,), layer.attn_norm, c.rms_eps)
             qkv = layer.qkv(h)  # [T, (H + 2 Hkv) D]
             qk = qkv[:, :self.q_size + self.kv_size].view(t, nq, c.head_dim)
             qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)  # RoPE, rotate-half
@@ -71,12 +74,23 @@ class LlamaModel:
             k = qk[:, c.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(t, c.num_kv_heads, c.head_dim)
             write_kv(kv.k[i], kv.v[i], k, v, meta.slots)
-            x = x + layer.o(attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale))
-            h = F.rms_norm(x, (c.hidden_size,), layer.ffn_norm, c.rms_eps)
+            h = self._norm(x, layer.o(attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale)), layer.ffn_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        x = F.rms_norm(x[logit_rows], (c.hidden_size,), self.norm, c.rms_eps)
+            mlp = layer.down(F.silu(gate) * up)
+            if i + 1 < len(self.layers):
+                h = self._norm(x, mlp, self.layers[i + 1].attn_norm)
+            else:
+                x.add_(mlp)
+        x = self._norm(x[logit_rows].contiguous(), None, self.norm)
         return self.lm_head(x).float()
+
+    def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
+        """x += delta (in place), then RMSNorm(x) * w. One fused call on float32 CPU."""
+        if self._kernels is not None:
+            return cpu_kernels.add_rmsnorm(self._kernels, x, delta, w, self.config.rms_eps)
+        if delta is not None:
+            x.add_(delta)
+        return F.rms_norm(x, (self.config.hidden_size,), w, self.config.rms_eps)
 
 
 class _Layer:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.engine import int8_kernel
+from services.engine import cpu_kernels
 
 QUANTIZATIONS = ("none", "int8")
 
@@ -25,7 +25,7 @@ class DenseLinear:
 class Int8Linear:
     """Symmetric int8 weights, one float32 scale per output row: w ~= q * scale[:, None].
 
-    Few rows (decode): the AVX2 kernel in int8_kernel reads 1 byte per weight. Many rows
+    Few rows (decode): the AVX2 kernel in cpu_kernels reads 1 byte per weight. Many rows
     (prefill, compute-bound): dequantize once per call and use the float GEMM.
     Without the kernel (no AVX2 or no compiler) every call takes the dequantize path.
     """
@@ -33,25 +33,27 @@ class Int8Linear:
     __slots__ = ("qweight", "scale", "out_dtype", "_lib")
     KERNEL_MAX_ROWS = 16
 
-    def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype, kernels: bool = True):
         w = weight.float()
         self.scale = (w.abs().amax(dim=1).clamp(min=1e-8) / 127.0).contiguous()  # [out]
         self.qweight = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         self.out_dtype = out_dtype
         usable = self.qweight.device.type == "cpu" and self.qweight.shape[1] % 32 == 0
-        self._lib = int8_kernel.load() if usable else None
+        self._lib = cpu_kernels.load() if usable and kernels else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._lib is not None and x.shape[0] <= self.KERNEL_MAX_ROWS:
-            y = int8_kernel.int8_linear(self._lib, x.float(), self.qweight, self.scale)
+            y = cpu_kernels.int8_linear(self._lib, x.float(), self.qweight, self.scale)
             return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
         w = self.qweight.to(x.dtype)
         return F.linear(x, w) * self.scale.to(x.dtype)
 
 
-def make_linear(weight: torch.Tensor, *, quantization: str, dtype: torch.dtype, device: str):
+def make_linear(weight: torch.Tensor, *, quantization: str, dtype: torch.dtype, device: str,
+                kernels: bool = True):
+    """kernels=False: torch ops only (the eager switch, for debugging and comparison)."""
     if quantization == "none":
         return DenseLinear(weight.to(device=device, dtype=dtype).contiguous())
     if quantization == "int8":
-        return Int8Linear(weight.to(device), out_dtype=dtype)
+        return Int8Linear(weight.to(device), out_dtype=dtype, kernels=kernels)
     raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")

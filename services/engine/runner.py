@@ -39,13 +39,16 @@ class ModelRunner:
     Attributes the engine core reads: block_size, num_blocks, max_context, vocab_size,
     eos_token_ids, device, dtype, quantization, model_name, load_seconds.
     Raises ModelLoadError (path + reason) when the model cannot be served.
+    kernels=False turns off the AVX2 C kernels (fused norm, int8 matmul): torch ops only.
+    num_threads: torch intra-op threads (default: the CPUs this process may use).
+    seed: seeds the generator of unseeded sampling requests (tests).
     """
 
     def __init__(self, model_path: str | Path, *, device: str = "cpu", dtype: str = "float32",
                  quantization: str = "none", block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: int | None = None, max_num_seqs: int = 64,
                  progress: Callable[[int, int], None] | None = None,
-                 num_threads: int | None = None, seed: int | None = None):
+                 num_threads: int | None = None, seed: int | None = None, kernels: bool = True):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if quantization not in QUANTIZATIONS:
@@ -59,7 +62,8 @@ class ModelRunner:
         c = loaded.config
         try:
             with torch.inference_mode():
-                self.model = LlamaModel(loaded, dtype=DTYPES[dtype], quantization=quantization, device=device)
+                self.model = LlamaModel(loaded, dtype=DTYPES[dtype], quantization=quantization,
+                                        device=device, fused_kernels=kernels)
         except ValueError as e:  # e.g. an unsupported rope scaling
             raise ModelLoadError(model_path, str(e)) from e
         del loaded

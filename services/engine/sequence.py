@@ -56,6 +56,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks of this sequence, in order (prefix cache keys).
     block_hashes: list[int] = field(default_factory=list)
+    # Leading blocks of block_table already offered to the prefix cache.
+    num_registered_blocks: int = 0
     # Prompt tokens found in the prefix cache on first admission (usage.cached_tokens).
     num_cached_tokens: int | None = None
     num_preemptions: int = 0

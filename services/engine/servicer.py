@@ -58,11 +58,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         prompt = list(request.prompt_token_ids)
         validate_request(prompt, sampling, request.max_tokens, list(request.stop),
                          list(request.stop_token_ids), ModelLimits(info.max_context, info.vocab_size))
-        waiting = self.engine.num_waiting
-        if waiting >= info.max_waiting:
+        # running slots + the waiting queue bound every request in flight
+        in_flight = self.engine.num_in_flight
+        if in_flight >= info.max_concurrency + info.max_waiting:
             raise ResourceExhausted(
-                f"the engine has {waiting} requests waiting (limit {info.max_waiting}); retry later",
-                retry_after=1.0 + waiting / max(1, info.max_concurrency))
+                f"the engine is full: {info.max_concurrency} requests running and"
+                f" {info.max_waiting} waiting (the waiting limit); retry later",
+                retry_after=1.0 + info.max_waiting / info.max_concurrency)
         now = time.monotonic()
         remaining = context.time_remaining()
         seq = Sequence(

@@ -1,4 +1,4 @@
-"""Queue bound and graceful shutdown of a real engine process."""
+"""Queue bound, etcd registration and graceful shutdown of a real engine process."""
 from __future__ import annotations
 
 import asyncio
@@ -6,6 +6,7 @@ import time
 
 import grpc
 import pytest
+from aetcd import rpc
 
 from tests.integration.engine_service.engine_process import NOT_SERVING, EngineProcess
 from tokenserve.engine.v1 import engine_pb2 as pb
@@ -13,12 +14,26 @@ from tokenserve.engine.v1 import engine_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
+ENGINES = b"/tokenserve/v1/engines/"
 
-async def test_full_queue_is_resource_exhausted_and_sigterm_drains_then_exits(tmp_path):
+
+def registered(endpoint: str) -> list[bytes]:
+    with grpc.insecure_channel(endpoint) as ch:
+        resp = rpc.KVStub(ch).Range(rpc.RangeRequest(key=ENGINES, range_end=ENGINES[:-1] + b"0"),
+                                    timeout=5)
+    return [kv.value for kv in resp.kvs]
+
+
+async def test_full_queue_is_resource_exhausted_and_sigterm_drains_then_exits(tmp_path, etcd):
     proc = EngineProcess(tmp_path / "engine.log", "--max-waiting", "1", "--drain-seconds", "2",
-                         "--grace-seconds", "10").start()
+                         "--grace-seconds", "10", "--etcd-endpoints", etcd.endpoint).start()
     try:
         await asyncio.to_thread(proc.wait_serving)
+        for _ in range(100):  # registration follows SERVING
+            if regs := registered(etcd.endpoint):
+                break
+            await asyncio.sleep(0.1)
+        assert len(regs) == 1 and f"127.0.0.1:{proc.port}".encode() in regs[0]
         async with grpc.aio.insecure_channel(proc.target) as ch:
             stub = engine_pb2_grpc.EngineServiceStub(ch)
             long = pb.GenerateRequest(prompt_token_ids=[500, 501], max_tokens=600, ignore_eos=True)
@@ -33,23 +48,26 @@ async def test_full_queue_is_resource_exhausted_and_sigterm_drains_then_exits(tm
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Generate(long).read()
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "waiting" in e.value.details()
+            assert "waiting limit" in e.value.details()
             assert int(dict(e.value.trailing_metadata())["retry-after-ms"]) > 0
             for call in [*running, queued]:
                 call.cancel()
             # a short stream in flight at SIGTERM still completes
             short = stub.Generate(pb.GenerateRequest(prompt_token_ids=[7, 8], max_tokens=5,
                                                      ignore_eos=True))
-            await short.read()
+            first = await short.read()
             proc.proc.send_signal(15)
             seen = set()
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and NOT_SERVING not in seen:
                 seen.add(await asyncio.to_thread(proc.health))
             assert NOT_SERVING in seen
-            rest = [m async for m in short]
-            assert rest[-1].usage.completion_tokens == 5
+            last = first
+            while (m := await short.read()) is not grpc.aio.EOF:
+                last = m
+            assert last.usage.completion_tokens == 5
         code = await asyncio.to_thread(proc.proc.wait, 60)
         assert code == 0
+        assert registered(etcd.endpoint) == []  # lease revoked on the way out
     finally:
         proc.kill()

@@ -97,3 +97,14 @@ def test_context_ids_give_the_first_token_its_leading_space():
     detok = IncrementalDetokenizer(tok, context_ids=prompt)
     assert "".join(stream(detok, out)) == " hello"
     assert detok.token_ids == out
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_with_prompt_context_deltas_extend_the_prompt_text(smollm_tok, text):
+    """As the engine core uses it: the prompt's last tokens as context, never emitted."""
+    context = smollm_tok.encode_chat([{"role": "user", "content": "Say something."}])[-5:]
+    out = smollm_tok.encode(text)
+    deltas = stream(IncrementalDetokenizer(smollm_tok, context_ids=context), out)
+    full = smollm_tok.decode(context + out)
+    assert "".join(deltas) == full[len(smollm_tok.decode(context)):]
+    assert not any("\ufffd" in d for d in deltas)

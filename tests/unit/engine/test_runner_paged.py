@@ -134,3 +134,19 @@ def test_kv_cache_sized_from_bytes(tmp_path):
     assert r.num_blocks == 10 and r.max_context == 160
     auto = ModelRunner(path, max_num_seqs=2, num_threads=1)
     assert auto.num_blocks == 2 * tm.MAX_POS // 16  # capped at every sequence at full context
+
+
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_c_kernels_match_torch_ops(tmp_path, quant):
+    path = tm.write_gguf(tmp_path / "k.gguf", tm.random_weights(3))
+    fast = ModelRunner(path, block_size=BS, num_blocks=64, num_threads=1, quantization=quant)
+    eager = ModelRunner(path, block_size=BS, num_blocks=64, num_threads=1, quantization=quant, kernels=False)
+    ids = prompt(30, 9)
+    batch = lambda: Batch([chunk(1, ids[:20], 0, list(range(8)), False), chunk(2, ids[:9], 0, [20, 21, 22])])
+    fast.execute(batch())
+    eager.execute(batch())
+    for r in (fast, eager):  # a decode step after the prefill
+        r.execute(Batch([chunk(2, ids[9:10], 9, [20, 21, 22])]))
+    a = fast.execute(Batch([chunk(1, ids[20:], 20, list(range(8)))])).sampled[1]
+    b = eager.execute(Batch([chunk(1, ids[20:], 20, list(range(8)))])).sampled[1]
+    assert_same(a, b)

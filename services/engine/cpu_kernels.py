@@ -1,6 +1,9 @@
-"""A small AVX2 kernel for weight-only int8 matmuls with few rows (decode), built on first use.
+"""Small AVX2 CPU kernels, built on first use, for what torch does slowly at decode sizes.
 
-y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]   x: float32 [M, K], q: int8 [N, K], scale: float32 [N]
+int8_linear:  y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]
+              x: float32 [M, K], q: int8 [N, K], scale: float32 [N]
+add_rmsnorm:  x += delta (in place, when given); out = x * rsqrt(mean(x^2) + eps) * w
+              one call instead of torch's ~6 kernel launches per norm, per layer, per token
 
 torch's own int8 kernel (`_weight_int8pack_mm`) is slow on CPUs without AVX-512 and wants
 bfloat16 activations; this one reads each weight byte once and accumulates in float32. It is
@@ -21,10 +24,11 @@ import torch
 
 from tokenserve.runtime.logging import get_logger
 
-log = get_logger(component="engine.int8_kernel")
+log = get_logger(component="engine.cpu_kernels")
 
 _SOURCE = r"""
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 static inline float hsum(__m256 v) {
@@ -60,6 +64,31 @@ void int8_linear(const float *x, const int8_t *q, const float *scale, float *y,
         }
     }
 }
+
+/* x: [M, K] (updated in place with delta when delta != 0), w: [K], out: [M, K]. K % 8 == 0. */
+void add_rmsnorm(float *x, const float *delta, const float *w, float *out,
+                 int64_t M, int64_t K, float eps) {
+    #pragma omp parallel for schedule(static) if (M > 4)
+    for (int64_t m = 0; m < M; m++) {
+        float *xr = x + m * K;
+        float *o = out + m * K;
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 v = _mm256_loadu_ps(xr + k);
+            if (delta) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(delta + m * K + k));
+                _mm256_storeu_ps(xr + k, v);
+            }
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        float r = 1.0f / sqrtf(hsum(ss) / (float)K + eps);
+        __m256 rv = _mm256_set1_ps(r);
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + k), rv);
+            _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_loadu_ps(w + k), v));
+        }
+    }
+}
 """
 
 _lib: ctypes.CDLL | None = None
@@ -76,7 +105,7 @@ def _cpu_has_avx2_fma() -> bool:
 
 def _build(cache_dir: Path) -> Path:
     digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
-    so = cache_dir / f"int8_linear_{digest}.so"
+    so = cache_dir / f"tokenserve_kernels_{digest}.so"
     if so.is_file():
         return so
     cc = shutil.which("gcc") or shutil.which("cc")
@@ -85,12 +114,12 @@ def _build(cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     torch_lib = Path(torch.__file__).parent / "lib"
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        src = Path(tmp) / "int8_linear.c"
+        src = Path(tmp) / "kernels.c"
         src.write_text(_SOURCE)
         out = Path(tmp) / so.name
         # Link torch's own libgomp when it ships one, so there is a single OpenMP runtime.
         gomp = ["-L", str(torch_lib), f"-Wl,-rpath,{torch_lib}"] if (torch_lib / "libgomp.so.1").exists() else []
-        cmd = [cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(out), *gomp]
+        cmd = [cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(out), *gomp, "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         out.replace(so)  # atomic: concurrent builders never see a half-written library
     return so
@@ -103,16 +132,18 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         return _lib
     _tried = True
     if not _cpu_has_avx2_fma():
-        log.info("int8_kernel_unavailable", reason="cpu lacks avx2/fma")
+        log.info("cpu_kernels_unavailable", reason="cpu lacks avx2/fma")
         return None
     try:
         so = _build(cache_dir or Path.home() / ".cache" / "tokenserve" / "kernels")
         lib = ctypes.CDLL(str(so))
         lib.int8_linear.restype = None
         lib.int8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        lib.add_rmsnorm.restype = None
+        lib.add_rmsnorm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         _lib = lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("int8_kernel_unavailable", reason=f"{type(e).__name__}: {e}"[:300])
+        log.warning("cpu_kernels_unavailable", reason=f"{type(e).__name__}: {e}"[:300])
     return _lib
 
 
@@ -124,3 +155,13 @@ def int8_linear(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch
     y = torch.empty((m, n), dtype=torch.float32)
     lib.int8_linear(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k)
     return y
+
+
+def add_rmsnorm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """x: float32 contiguous [M, K], updated in place to x + delta; returns rmsnorm(x) * w."""
+    m, k = x.shape
+    out = torch.empty_like(x)
+    lib.add_rmsnorm(x.data_ptr(), 0 if delta is None else delta.contiguous().data_ptr(), w.data_ptr(),
+                    out.data_ptr(), m, k, eps)
+    return out

@@ -1,0 +1,86 @@
+"""Weight-only int8: the AVX2 kernel, the dequantize path and their agreement."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine import cpu_kernels
+from services.engine.interface import Batch, SamplingParams, SeqChunk
+from services.engine.quant import DenseLinear, Int8Linear, make_linear
+from services.engine.runner import ModelRunner
+from tests.unit.engine import tiny_models as tm
+
+
+@pytest.fixture(scope="module")
+def weight():
+    return torch.randn(200, 96, generator=torch.Generator().manual_seed(0))
+
+
+def dequantized(lin: Int8Linear) -> torch.Tensor:
+    return lin.qweight.float() * lin.scale[:, None]
+
+
+def test_quantization_error_is_within_half_a_step(weight):
+    lin = Int8Linear(weight, torch.float32)
+    step = lin.scale[:, None]
+    assert lin.qweight.dtype == torch.int8
+    assert ((dequantized(lin) - weight).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])
+def test_int8_linear_matches_its_dequantized_weight(weight, rows):
+    lin = Int8Linear(weight, torch.float32)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    assert torch.allclose(lin(x), F.linear(x, dequantized(lin)), atol=1e-3, rtol=1e-4)
+
+
+def test_kernel_builds_on_this_machine():
+    if not cpu_kernels._cpu_has_avx2_fma():
+        pytest.skip("CPU without AVX2/FMA: the torch path is used")
+    assert cpu_kernels.load() is not None
+
+
+def test_kernel_and_fallback_agree(weight):
+    lin = Int8Linear(weight, torch.float32)
+    if lin._lib is None:
+        pytest.skip("kernel unavailable here")
+    x = torch.randn(2, 96)
+    with_kernel = lin(x)
+    lin._lib = None
+    assert torch.allclose(with_kernel, lin(x), atol=1e-3, rtol=1e-4)
+
+
+def test_odd_inner_size_uses_the_torch_path():
+    lin = Int8Linear(torch.randn(8, 40), torch.float32)  # 40 is not a multiple of 32
+    assert lin._lib is None
+    x = torch.randn(1, 40)
+    assert torch.allclose(lin(x), F.linear(x, dequantized(lin)), atol=1e-4)
+
+
+def test_make_linear_switch(weight):
+    assert isinstance(make_linear(weight, quantization="none", dtype=torch.float32, device="cpu"), DenseLinear)
+    assert isinstance(make_linear(weight, quantization="int8", dtype=torch.float32, device="cpu"), Int8Linear)
+    with pytest.raises(ValueError, match="quantization"):
+        make_linear(weight, quantization="nf4", dtype=torch.float32, device="cpu")
+
+
+def greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
+    table = list(range(-(-(len(prompt) + n) // runner.block_size)))
+    g = SamplingParams()
+    out = [runner.execute(Batch([SeqChunk(1, prompt, 0, table, True, g)])).sampled[1].token_id]
+    for i in range(n - 1):
+        out.append(runner.execute(Batch([SeqChunk(1, [out[-1]], len(prompt) + i, table, True, g)])).sampled[1].token_id)
+    runner.execute(Batch([], finished_seq_ids=[1]))
+    return out
+
+
+@pytest.mark.parametrize("dtype, quant", [("float32", "int8"), ("bfloat16", "none"), ("bfloat16", "int8")])
+def test_reduced_precision_runners_mostly_agree_with_float32(tmp_path, dtype, quant):
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(4))
+    ref = ModelRunner(path, num_blocks=32, num_threads=1)
+    other = ModelRunner(path, num_blocks=32, dtype=dtype, quantization=quant, num_threads=1)
+    assert other.dtype == dtype and other.quantization == quant
+    prompt = [(i * 11) % tm.VOCAB for i in range(20)]
+    a, b = greedy(ref, prompt, 16), greedy(other, prompt, 16)
+    assert a[:4] == b[:4]
