@@ -186,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the mixed long/short load")
     ap.add_argument("--engine-arg", action="append", default=[],
                     help="extra engine flag, e.g. --engine-arg=--max-batched-tokens=512")
     ap.add_argument("--peers", default="tokenserve,transformers-float32,transformers-bfloat16")
@@ -193,6 +195,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     conc = [int(c) for c in a.concurrency.split(",")]
     loads = workloads(conc, a.new_tokens)
+    if not a.mixed:
+        del loads["mixed16"]
     peers = a.peers.split(",")
     results: dict[str, dict[str, dict]] = {}
     RESULTS.mkdir(parents=True, exist_ok=True)
