@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -243,7 +244,9 @@ def _tail(path: Path, lines: int = 20) -> str:
 def grpcurl_command(key: str, gateway: str) -> str:
     body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32})
-    return (f"grpcurl -plaintext -H 'authorization: Bearer {key}' -d '{body}' "
+    local = Path(sys.executable).parent / "grpcurl"
+    grpcurl = os.path.relpath(local) if local.exists() and not shutil.which("grpcurl") else "grpcurl"
+    return (f"{grpcurl} -plaintext -H 'authorization: Bearer {key}' -d '{body}' "
             f"{gateway} tokenserve.gateway.v1.InferenceService/Chat")
 
 

@@ -41,7 +41,8 @@ def build_parser(*, default_endpoints: str, default_actor: str,
         return p.add_subparsers(dest="action", required=True, metavar="ACTION")
 
     def leaf(parent: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
-        return parent.add_parser(name, help=help, description=help, parents=[conn])
+        return parent.add_parser(name, help=help, description=help.replace("%%", "%"),
+                                 parents=[conn])
 
     t = group("tenant", "create, list, show, enable/disable tenants and their quota overrides")
     p = leaf(t, "create", "create a tenant")

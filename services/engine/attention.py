@@ -9,10 +9,13 @@ chunks (one token each), so decodes are one contiguous run [decode_start, T).
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from services.engine import cpu_kernels
 
 
 class KVCache:
@@ -52,6 +55,8 @@ class AttentionMetadata:
     decode_start: int = 0
     # [B, max_blocks] block tables of the decode rows (padded with block 0).
     decode_blocks: torch.Tensor | None = None
+    # [B] context length of each decode row (int64), for the C kernel.
+    decode_ctx: torch.Tensor | None = None
     # [B, 1, 1, max_blocks * block_size] True where a key position is padding (>= context length).
     decode_mask: torch.Tensor | None = None
     # Single decode row whose blocks are consecutive: (first block, context length); read as a view.
@@ -77,16 +82,16 @@ def build_metadata(spans: list[tuple[int, int, list[int]]], block_size: int,
         q_start += n
     meta = AttentionMetadata(slots=torch.tensor(slots, dtype=torch.long, device=device),
                              prefills=prefills, decode_start=q_start - len(decodes))
-    if len(decodes) == 1 and _consecutive(decodes[0][1], decodes[0][0], block_size):
-        ctx, table = decodes[0]
-        meta.decode_contiguous = (table[0], ctx)
-    elif decodes:
+    if decodes:
         nb = max(-(-ctx // block_size) for ctx, _ in decodes)
         tables = [t[:nb] + [0] * (nb - min(nb, len(t))) for _, t in decodes]
         meta.decode_blocks = torch.tensor(tables, dtype=torch.long, device=device)
-        ctx_lens = torch.tensor([ctx for ctx, _ in decodes], dtype=torch.long, device=device)
+        meta.decode_ctx = torch.tensor([ctx for ctx, _ in decodes], dtype=torch.long, device=device)
         pos = torch.arange(nb * block_size, device=device)
-        meta.decode_mask = (pos[None, :] >= ctx_lens[:, None])[:, None, None, :]
+        meta.decode_mask = (pos[None, :] >= meta.decode_ctx[:, None])[:, None, None, :]
+    if len(decodes) == 1 and _consecutive(decodes[0][1], decodes[0][0], block_size):
+        ctx, table = decodes[0]
+        meta.decode_contiguous = (table[0], ctx)
     return meta
 
 
@@ -115,12 +120,14 @@ def _read(cache: torch.Tensor, blocks: list[int], ctx: int) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
-           cache_v: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D] (already written to the cache) -> [T, H * D]."""
+           cache_v: torch.Tensor, meta: AttentionMetadata, scale: float,
+           kernels: ctypes.CDLL | None = None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] (already written to the cache) -> [T, H * D].
+    kernels: the cpu_kernels library (float32 CPU caches only) for the decode rows, else torch."""
     t, h, d = q.shape
     group = h // k.shape[1]
     if not meta.prefills:  # decode-only step: no staging buffer
-        return _decode(q, cache_k, cache_v, meta, scale, group).view(t, h * d)
+        return _decode(q, cache_k, cache_v, meta, scale, group, kernels).view(t, h * d)
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
@@ -141,14 +148,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Ten
         out[rows] = o[0].transpose(0, 1)
     start = meta.decode_start
     if start < t:
-        out[start:] = _decode(q[start:], cache_k, cache_v, meta, scale, group)
+        out[start:] = _decode(q[start:], cache_k, cache_v, meta, scale, group, kernels)
     return out.view(t, h * d)
 
 
 def _decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, meta: AttentionMetadata,
-            scale: float, group: int) -> torch.Tensor:
+            scale: float, group: int, kernels: ctypes.CDLL | None) -> torch.Tensor:
     """One query per row. q: [B, H, D] -> [B, H, D]. Plain matmuls beat the flash kernel here."""
     b, h, d = q.shape
+    if kernels is not None and d % 8 == 0:
+        # Reads each sequence's blocks in place: no padded gather, no per-layer copies.
+        return cpu_kernels.paged_decode_attention(kernels, q, cache_k, cache_v, meta.decode_blocks,
+                                                  meta.decode_ctx, scale)
     qd = q.view(b, h // group, group, d)  # [B, Hkv, G, D]
     if meta.decode_contiguous is not None:
         first, ctx = meta.decode_contiguous

@@ -1,7 +1,10 @@
 """Small AVX2 CPU kernels, built on first use, for what torch does slowly at decode sizes.
 
 int8_linear:  y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]
-              x: float32 [M, K], q: int8 [N, K], scale: float32 [N]
+              x: float32 [M, K], q: int8 [N, K], scale: float32 [N]; each converted weight
+              vector serves 6 rows of x, so a batch of decodes costs far less than M calls
+paged_decode_attention: one query per sequence against its K/V read in place through its
+              block table (torch would gather every block into a padded copy per layer)
 add_rmsnorm:  x += delta (in place, when given); out = x * rsqrt(mean(x^2) + eps) * w
               one call instead of torch's ~6 kernel launches per norm, per layer, per token
 
@@ -30,6 +33,7 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -38,30 +42,144 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* K must be a multiple of 32. Rows of q are split across the OpenMP team. */
+/* y[m, n] for an NR x MR tile: each (n, m) has exactly one 8-lane accumulator over k in
+   steps of 8, then one horizontal sum, so y[m, n] is bit-identical whatever M is and whatever
+   tile computed it (a sequence's logits do not depend on what else is in the batch).
+   Each weight vector is converted to float once per tile and used by MR rows. */
+#define TILE(NR, MR)                                                                        \
+static inline void tile_##NR##x##MR(const float *x, const int8_t *q, const float *scale,  \
+                                    float *y, int64_t m0, int64_t n0, int64_t N, int64_t K) { \
+    __m256 acc[NR][MR];                                                                     \
+    for (int i = 0; i < NR; i++)                                                            \
+        for (int j = 0; j < MR; j++) acc[i][j] = _mm256_setzero_ps();                       \
+    for (int64_t k = 0; k < K; k += 8) {                                                    \
+        if ((k & 63) == 0) /* the next group of 4 rows: 4 interleaved streams defeat the  \
+                              hardware prefetcher on matrices larger than the caches */    \
+            for (int i = 0; i < NR; i++)                                                    \
+                _mm_prefetch((const char *)(q + (n0 + i + 4) * K + k), _MM_HINT_T0);        \
+        __m256 w[NR];                                                                       \
+        for (int i = 0; i < NR; i++)                                                        \
+            w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                                 \
+                _mm_loadl_epi64((const __m128i *)(q + (n0 + i) * K + k))));                 \
+        for (int j = 0; j < MR; j++) {                                                      \
+            __m256 xv = _mm256_loadu_ps(x + (m0 + j) * K + k);                              \
+            for (int i = 0; i < NR; i++) acc[i][j] = _mm256_fmadd_ps(w[i], xv, acc[i][j]);  \
+        }                                                                                   \
+    }                                                                                       \
+    for (int i = 0; i < NR; i++)                                                            \
+        for (int j = 0; j < MR; j++)                                                        \
+            y[(m0 + j) * N + n0 + i] = scale[n0 + i] * hsum(acc[i][j]);                     \
+}
+TILE(2, 6)
+TILE(4, 1)
+TILE(1, 1)
+
+/* K must be a multiple of 8. Output rows n are split across the OpenMP team in groups of 4;
+   within a group the 4 weight rows (4 K bytes, L1-resident) are reused by every row of x. */
 void int8_linear(const float *x, const int8_t *q, const float *scale, float *y,
                  int64_t M, int64_t N, int64_t K) {
+    int64_t m6 = M - M % 6;
+    int64_t groups = (N + 3) / 4;
     #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *w = q + n * K;
-        for (int64_t m = 0; m < M; m++) {
-            const float *xr = x + m * K;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-            for (int64_t k = 0; k < K; k += 32) {
-                __m128i b0 = _mm_loadu_si128((const __m128i *)(w + k));
-                __m128i b1 = _mm_loadu_si128((const __m128i *)(w + k + 16));
-                __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
-                __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
-                __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
-                __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
-                a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr + k), a0);
-                a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + k + 8), a1);
-                a2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + k + 16), a2);
-                a3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + k + 24), a3);
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t n0 = g * 4;
+        if (n0 + 4 <= N) {
+            for (int64_t m = 0; m < m6; m += 6) {
+                tile_2x6(x, q, scale, y, m, n0, N, K);
+                tile_2x6(x, q, scale, y, m, n0 + 2, N, K);
             }
-            y[m * N + n] = scale[n] * hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+            for (int64_t m = m6; m < M; m++) tile_4x1(x, q, scale, y, m, n0, N, K);
+        } else {
+            for (int64_t n = n0; n < N; n++)
+                for (int64_t m = 0; m < M; m++) tile_1x1(x, q, scale, y, m, n, N, K);
         }
+    }
+}
+
+/* exp for lanes in [-88, 88] (Cephes polynomial, ~1 ulp); inputs are clamped to that range. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline const float *kv_row(const float *cache, const int64_t *table, int64_t l, int64_t bs,
+                                  int64_t Hkv, int64_t hk, int64_t D) {
+    return cache + ((table[l / bs] * bs + l % bs) * Hkv + hk) * D;
+}
+
+/* One query token per sequence over its paged K/V, read in place through its block table.
+   q, out: [B, H, D]; kc, vc: [num_blocks, bs, Hkv, D]; tables: [B, max_nb]; ctx: [B].
+   Query head h uses KV head h / (H / Hkv). D % 8 == 0. Each (sequence, KV head) is one task:
+   scores for its G query heads (8 key rows at a time, independent FMA chains), softmax, then
+   the probability-weighted sum of V rows (64 output lanes held in registers). */
+void paged_decode_attention(const float *q, const float *kc, const float *vc, const int64_t *tables,
+                            const int64_t *ctx, float *out, int64_t B, int64_t H, int64_t Hkv,
+                            int64_t D, int64_t bs, int64_t max_nb, float scale) {
+    int64_t G = H / Hkv;
+    #pragma omp parallel for schedule(dynamic)
+    for (int64_t task = 0; task < B * Hkv; task++) {
+        int64_t b = task / Hkv, hk = task % Hkv, L = ctx[b];
+        const int64_t *table = tables + b * max_nb;
+        int64_t Lp = (L + 7) & ~(int64_t)7;
+        float *p = (float *)malloc(sizeof(float) * G * Lp);
+        const float *qb = q + (b * H + hk * G) * D;
+        for (int64_t l0 = 0; l0 < L; l0 += 8) {
+            int64_t n = L - l0 < 8 ? L - l0 : 8;
+            const float *kr[8];
+            for (int64_t i = 0; i < 8; i++) kr[i] = kv_row(kc, table, l0 + (i < n ? i : 0), bs, Hkv, hk, D);
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qb + g * D;
+                __m256 a[8];
+                for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8) {
+                    __m256 qv = _mm256_loadu_ps(qg + d);
+                    for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[i] + d), a[i]);
+                }
+                for (int64_t i = 0; i < n; i++) p[g * Lp + l0 + i] = hsum(a[i]) * scale;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *pg = p + g * Lp;
+            float mx = pg[0];
+            for (int64_t l = 1; l < L; l++) mx = pg[l] > mx ? pg[l] : mx;
+            for (int64_t l = L; l < Lp; l++) pg[l] = mx - 1000.0f;  /* exp underflows to ~0 */
+            __m256 mxv = _mm256_set1_ps(mx);
+            for (int64_t l = 0; l < Lp; l += 8)
+                _mm256_storeu_ps(pg + l, exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + l), mxv)));
+            float sum = 0.0f;
+            for (int64_t l = 0; l < L; l++) sum += pg[l];  /* padding lanes left out exactly */
+            float inv = 1.0f / sum;
+            float *o = out + (b * H + hk * G + g) * D;
+            int64_t d0 = 0;
+            for (; d0 + 64 <= D; d0 += 64) {
+                __m256 acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+                for (int64_t l = 0; l < L; l++) {
+                    const float *vr = kv_row(vc, table, l, bs, Hkv, hk, D) + d0;
+                    __m256 w = _mm256_set1_ps(pg[l]);
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * i), acc[i]);
+                }
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
+            }
+            for (; d0 < D; d0 += 8) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t l = 0; l < L; l++)
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[l]), _mm256_loadu_ps(kv_row(vc, table, l, bs, Hkv, hk, D) + d0), acc);
+                _mm256_storeu_ps(o + d0, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+            }
+        }
+        free(p);
     }
 }
 
@@ -139,6 +257,8 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(so))
         lib.int8_linear.restype = None
         lib.int8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        lib.paged_decode_attention.restype = None
+        lib.paged_decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
         lib.add_rmsnorm.restype = None
         lib.add_rmsnorm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         _lib = lib
@@ -164,4 +284,17 @@ def add_rmsnorm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor | None, w
     out = torch.empty_like(x)
     lib.add_rmsnorm(x.data_ptr(), 0 if delta is None else delta.contiguous().data_ptr(), w.data_ptr(),
                     out.data_ptr(), m, k, eps)
+    return out
+
+
+def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                           tables: torch.Tensor, ctx: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: float32 [B, H, D]; cache_k/v: float32 contiguous [num_blocks, bs, Hkv, D];
+    tables: int64 [B, max_nb]; ctx: int64 [B] context lengths (>= 1) -> [B, H, D]."""
+    q = q.contiguous()
+    b, h, d = q.shape
+    _, bs, hkv, _ = cache_k.shape
+    out = torch.empty_like(q)
+    lib.paged_decode_attention(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), tables.data_ptr(),
+                               ctx.data_ptr(), out.data_ptr(), b, h, hkv, d, bs, tables.shape[1], scale)
     return out

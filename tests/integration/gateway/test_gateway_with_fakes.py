@@ -151,13 +151,17 @@ def test_downstream_errors_keep_their_code(gateway, key):
 def test_client_cancel_cancels_the_engine_call_and_is_metered(gateway, key, engine, meter_stub):
     stub = gateway.stub()
     engine.servicer.cancel_seen.clear()
-    call = stub.Generate(pb.GenerateRequest(prompt="a b", max_tokens=FREE_MAX_TOKENS,
-                                            request_id="cancel-1"),
-                         metadata=auth(key), timeout=20)
-    first = next(call)
-    assert first.token_ids
-    call.cancel()
-    assert engine.servicer.cancel_seen.wait(10)
+    engine.servicer.delay = 0.5  # the fake must not finish all tokens before the cancel lands
+    try:
+        call = stub.Generate(pb.GenerateRequest(prompt="a b", max_tokens=FREE_MAX_TOKENS,
+                                                request_id="cancel-1"),
+                             metadata=auth(key), timeout=30)
+        first = next(call)
+        assert first.token_ids
+        call.cancel()
+        assert engine.servicer.cancel_seen.wait(10)
+    finally:
+        engine.servicer.delay = 0.05
     assert "cancel-1" in engine.servicer.cancelled
     (row,) = wait_for(lambda: meter_rows(meter_stub, "cancel-1"))
     assert row["status"] == "CANCELLED"

@@ -40,11 +40,16 @@ def test_sync_client_errors_are_readable(gateway, key):
 
 def test_leaving_a_stream_early_cancels_the_request(gateway, key, engine):
     engine.servicer.cancel_seen.clear()
-    with Client(gateway.target, key, timeout=20) as c:
-        stream = c.generate("a", max_tokens=FREE_MAX_TOKENS, request_id="sdk-leave")
-        next(stream)
-        stream.close()
-    assert engine.servicer.cancel_seen.wait(10)
+    # slow tokens, so the fake cannot finish all of them before the cancel reaches it
+    engine.servicer.delay, delay = 0.5, engine.servicer.delay
+    try:
+        with Client(gateway.target, key, timeout=30) as c:
+            stream = c.generate("a", max_tokens=FREE_MAX_TOKENS, request_id="sdk-leave")
+            next(stream)
+            stream.close()
+        assert engine.servicer.cancel_seen.wait(10)
+    finally:
+        engine.servicer.delay = delay
     assert "sdk-leave" in engine.servicer.cancelled
 
 
