@@ -98,7 +98,8 @@ void int8_linear(const float *x, const int8_t *q, const float *scale, float *y,
 
 /* exp for lanes in [-88, 88] (Cephes polynomial, ~1 ulp); inputs are clamped to that range. */
 static inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    const __m256 lim = _mm256_set1_ps(88.3762626647949f);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
     __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
@@ -170,12 +171,15 @@ void paged_decode_attention(const float *q, const float *kc, const float *vc, co
                     __m256 w = _mm256_set1_ps(pg[l]);
                     for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * i), acc[i]);
                 }
-                for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
+                for (int i = 0; i < 8; i++)
+                    _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
             }
             for (; d0 < D; d0 += 8) {
                 __m256 acc = _mm256_setzero_ps();
-                for (int64_t l = 0; l < L; l++)
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[l]), _mm256_loadu_ps(kv_row(vc, table, l, bs, Hkv, hk, D) + d0), acc);
+                for (int64_t l = 0; l < L; l++) {
+                    const float *vr = kv_row(vc, table, l, bs, Hkv, hk, D) + d0;
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[l]), _mm256_loadu_ps(vr), acc);
+                }
                 _mm256_storeu_ps(o + d0, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
             }
         }

@@ -74,7 +74,8 @@ class LlamaModel:
             k = qk[:, c.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(t, c.num_kv_heads, c.head_dim)
             write_kv(kv.k[i], kv.v[i], k, v, meta.slots)
-            h = self._norm(x, layer.o(attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self._kernels)), layer.ffn_norm)
+            attn = attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self._kernels)  # [T, H * D]
+            h = self._norm(x, layer.o(attn), layer.ffn_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             mlp = layer.down(F.silu(gate) * up)
             if i + 1 < len(self.layers):
