@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from tokenserve.runtime.config import check_ports
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -49,10 +50,7 @@ class EngineConfig:
     def __post_init__(self):
         if not self.model_name or not self.version:
             raise ValueError("model_name and version must not be empty")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        check_ports(self.port, self.metrics_port)
         if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES} (optionally cuda:N), got {self.device!r}")
         if self.dtype not in DTYPES:

@@ -5,6 +5,7 @@ import re
 from dataclasses import dataclass
 
 from tokenserve.models import DEFAULT_MODEL_NAME
+from tokenserve.runtime.config import check_ports
 
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
 
@@ -63,10 +64,7 @@ class GatewayConfig:
     log_level: str = "info"
 
     def __post_init__(self):
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        check_ports(self.port, self.metrics_port)
         check_endpoint("--tokenizer", self.tokenizer)
         check_endpoint("--meter", self.meter)
         for ep in self.etcd_endpoints:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from tokenserve.runtime.config import check_ports
 
 
 @dataclass(frozen=True)
@@ -15,10 +16,7 @@ class MeterConfig:
     log_level: str = "info"
 
     def __post_init__(self):
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        check_ports(self.port, self.metrics_port)
         if not self.db:
             raise ValueError("db must be a SQLite path or a postgresql:// URL")
 

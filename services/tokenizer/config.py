@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from tokenserve.runtime.config import check_ports
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # gRPC's own receive limit (ServerOptions.max_message_bytes) caps a request above this.
@@ -36,10 +37,7 @@ class TokenizerConfig:
     log_level: str = "info"
 
     def __post_init__(self):
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        check_ports(self.port, self.metrics_port)
         if not 1 <= self.max_text_bytes <= MAX_TEXT_BYTES_CEILING:
             raise ValueError(
                 f"max_text_bytes must be in 1..{MAX_TEXT_BYTES_CEILING}, got {self.max_text_bytes}")
