@@ -26,6 +26,7 @@ from tokenserve.engine.v1 import engine_pb2_grpc
 from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default_model_path
 from tokenserve.runtime.logging import configure_logging, get_logger
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
+from tokenserve.runtime.config import add_server_args
 
 log = get_logger(component="engine.main")
 
@@ -36,9 +37,7 @@ _REGISTER_RETRY_SECONDS = 2.0
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p = argparse.ArgumentParser(prog="python -m services.engine",
                                 description="tokenserve engine: serves one model version over gRPC")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50053)
-    p.add_argument("--metrics-port", type=int, default=9103, help="-1 disables /metrics")
+    add_server_args(p, port=50053, metrics_port=9103)
     p.add_argument("--model-path", type=Path, default=None,
                    help="GGUF file or Hugging Face folder (default: the bundled SmolLM2)")
     p.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
@@ -68,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         return EngineConfig(
             model_path=a.model_path or default_model_path(), model_name=a.model_name,
             version=a.version, host=a.host, port=a.port,
-            metrics_port=None if a.metrics_port < 0 else a.metrics_port, device=a.device,
+            metrics_port=a.metrics_port, device=a.device,
             dtype=a.dtype, quantization=a.quantization, threads=a.threads,
             max_concurrency=a.max_concurrency, max_waiting=a.max_waiting,
             max_batched_tokens=a.max_batched_tokens, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,

@@ -25,6 +25,7 @@ from tokenserve.runtime.channels import aio_channel
 from tokenserve.runtime.errors import ServiceError
 from tokenserve.runtime.logging import configure_logging
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
+from tokenserve.runtime.config import add_server_args
 
 SERVICE_NAME = "tokenserve.gateway.v1.InferenceService"
 # Lazy: resolved at first use, after configure_logging (JSON lines).
@@ -34,10 +35,7 @@ log = structlog.get_logger(component="gateway")
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p = argparse.ArgumentParser(prog="python -m services.gateway",
                                 description="tokenserve public API (gRPC InferenceService)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--metrics-port", type=int, default=9101,
-                   help="Prometheus /metrics port; -1 disables it, 0 picks a free one")
+    add_server_args(p, port=50051, metrics_port=9101)
     p.add_argument("--etcd-endpoints", default="127.0.0.1:2379",
                    help="comma-separated host:port list")
     p.add_argument("--tokenizer", default="127.0.0.1:50052")
@@ -56,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     a = p.parse_args(argv)
     try:
         return GatewayConfig(
-            host=a.host, port=a.port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
+            host=a.host, port=a.port, metrics_port=a.metrics_port,
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
             tokenizer=a.tokenizer, meter=a.meter,
             engines=tuple(StaticEngine.parse(e) for e in a.engine),

@@ -10,6 +10,7 @@ from services.meter.store import Ledger
 from tokenserve.meter.v1 import meter_pb2_grpc
 from tokenserve.runtime.logging import configure_logging
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
+from tokenserve.runtime.config import add_server_args
 
 SERVICE_NAME = "tokenserve.meter.v1.MeterService"
 
@@ -17,17 +18,14 @@ SERVICE_NAME = "tokenserve.meter.v1.MeterService"
 def parse_args(argv: list[str] | None = None) -> MeterConfig:
     p = argparse.ArgumentParser(prog="python -m services.meter",
                                 description="tokenserve usage ledger (gRPC MeterService)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50054)
-    p.add_argument("--metrics-port", type=int, default=9104,
-                   help="Prometheus /metrics port; -1 disables it, 0 picks a free one")
+    add_server_args(p, port=50054, metrics_port=9104)
     p.add_argument("--db", default="var/meter.db",
                    help="SQLite file (WAL) or a postgresql://user@host/db URL")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
     try:
         return MeterConfig(host=a.host, port=a.port,
-                           metrics_port=None if a.metrics_port < 0 else a.metrics_port,
+                           metrics_port=a.metrics_port,
                            db=a.db, log_level=a.log_level)
     except ValueError as e:
         p.error(str(e))

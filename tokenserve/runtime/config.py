@@ -8,3 +8,16 @@ def check_ports(port: int, metrics_port: int | None) -> None:
         raise ValueError(f"port must be in 0..65535, got {port}")
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
         raise ValueError(f"metrics_port must be in 0..65535, got {metrics_port}")
+
+
+def _metrics_port(value: str) -> int | None:
+    port = int(value)
+    return None if port < 0 else port
+
+
+def add_server_args(parser, *, port: int, metrics_port: int) -> None:
+    """--host, --port and --metrics-port (-1: no /metrics, parsed as None; 0: any free port)."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument("--metrics-port", type=_metrics_port, default=metrics_port,
+                        help="Prometheus /metrics port; -1 disables it, 0 picks a free one")
