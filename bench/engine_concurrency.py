@@ -10,6 +10,10 @@ the rest 64). Every peer gets the same token ids.
   - transformers (float32 and bfloat16): `generate` on the whole batch at once (static
     batching, left padding); per-step times come from a stopping-criteria hook, so TTFT is
     the batch prefill and ITL the batch decode step.
+  - llama.cpp (`--llama-server PATH`): llama.cpp's own C++ server with parallel slots
+    (`-np <most streams> --kv-unified -fa on -t <cores>`, prompt cache off), the same token
+    ids streamed from its /completion endpoint over HTTP (server-sent events), greedy,
+    EOS ignored. Build it as bench/README or BENCH.md says (AVX-512 off on AVX2-only CPUs).
 Aggregate tokens/s = generated tokens / wall time of the workload. Medians over --runs.
 Prefix caching is off in the engine (distinct prompts per stream anyway).
 Writes bench/results/engine_concurrency.json and .png.
@@ -135,6 +139,87 @@ async def run_tokenserve(target: str, prompts: list[list[int]], new_tokens: int)
     return summarize(ttft, itl, sum(counts), wall)
 
 
+# -- llama.cpp server --------------------------------------------------------------------
+class LlamaServer:
+    def __init__(self, binary: str, slots: int, ctx_per_slot: int, log_path: Path):
+        self.port = free_port()
+        threads = str(len(os.sched_getaffinity(0)))
+        cmd = [binary, "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(self.port),
+               "-np", str(slots), "-c", str(slots * ctx_per_slot), "--kv-unified", "-fa", "on",
+               "-t", threads, "-tb", threads, "--no-cache-prompt", "--no-webui"]
+        self.proc = subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
+
+    def wait(self, timeout=300):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("llama-server exited while starting")
+            try:
+                status, _ = asyncio.run(_http(self.port, "GET", "/health"))
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("llama-server did not start")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+async def _http(port: int, method: str, path: str, body: dict | None = None):
+    """(status, body text) of one HTTP/1.1 request on loopback."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode() if body is not None else b""
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+    await writer.drain()
+    raw = await reader.read()
+    writer.close()
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), rest.decode(errors="replace")
+
+
+async def run_llama_server(port: int, prompts: list[list[int]], new_tokens: int) -> dict:
+    ttft, itl = [], []
+
+    async def one(p):
+        body = {"prompt": p, "n_predict": new_tokens, "ignore_eos": True, "stream": True,
+                "cache_prompt": False, "temperature": 0.0, "top_k": 1}
+        data = json.dumps(body).encode()
+        t0 = time.perf_counter()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        await writer.drain()
+        last, n = None, 0
+        while line := await reader.readline():  # chunked transfer: SSE lines between size lines
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[6:])
+            now = time.perf_counter()
+            if event.get("stop"):
+                n = event.get("timings", {}).get("predicted_n", n)
+                break
+            if last is None:
+                ttft.append(now - t0)
+            else:
+                itl.append(now - last)
+            last, n = now, n + 1
+        writer.close()
+        return n
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts))
+    wall = time.perf_counter() - t0
+    return summarize(ttft, itl, sum(counts), wall)
+
+
 # -- transformers ------------------------------------------------------------------------
 def load_transformers(dtype: str):
     import torch
@@ -191,6 +276,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-arg", action="append", default=[],
                     help="extra engine flag, e.g. --engine-arg=--max-batched-tokens=512")
     ap.add_argument("--peers", default="tokenserve,transformers-float32,transformers-bfloat16")
+    ap.add_argument("--llama-server", default=None,
+                    help="path of a llama-server binary: adds llama.cpp's server as a peer")
     ap.add_argument("--out", default=str(RESULTS / "engine_concurrency"))
     a = ap.parse_args(argv)
     conc = [int(c) for c in a.concurrency.split(",")]
@@ -216,6 +303,21 @@ def main(argv=None) -> int:
                 print("tokenserve", name, _fmt(results["tokenserve"][name]), flush=True)
         finally:
             eng.stop()
+    if a.llama_server:
+        log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.llama-server.log"
+        ctx = max(len(p) for ps in loads.values() for p in ps) + a.new_tokens + 16
+        srv = LlamaServer(a.llama_server, max(conc), ctx, log_path)
+        try:
+            srv.wait()
+            asyncio.run(run_llama_server(srv.port, loads[f"c{conc[0]}"][:1], 4))  # warm-up
+            results["llama.cpp-server"] = {}
+            for name, prompts in loads.items():
+                runs = [asyncio.run(run_llama_server(srv.port, prompts, a.new_tokens))
+                        for _ in range(a.runs)]
+                results["llama.cpp-server"][name] = median_runs(runs)
+                print("llama.cpp-server", name, _fmt(results["llama.cpp-server"][name]), flush=True)
+        finally:
+            srv.stop()
     for peer in peers:
         if not peer.startswith("transformers-"):
             continue
@@ -233,7 +335,9 @@ def main(argv=None) -> int:
     report = {"benchmark": "engine_concurrency", "when": datetime.now(timezone.utc).isoformat(),
               "machine": {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform(),
                           "load_avg_at_end": os.getloadavg()},
-              "model": "SmolLM2-135M-Instruct Q4_1 (GGUF), engine float32",
+              "model": "SmolLM2-135M-Instruct Q4_1 (GGUF); engine dtype/quantization per engine_args,"
+                       " transformers dequantized to its dtype, llama.cpp server on the Q4_1 file",
+              "llama_server": a.llama_server,
               "runs": a.runs, "new_tokens": a.new_tokens, "engine_args": a.engine_arg,
               "results": results, "ratios": ratios(results)}
     Path(a.out + ".json").write_text(json.dumps(report, indent=2))
@@ -248,14 +352,17 @@ def _fmt(r: dict) -> str:
 
 
 def ratios(results: dict) -> dict:
-    """tokenserve tokens/s over the best transformers peer, per workload."""
-    out = {}
-    ts = results.get("tokenserve", {})
-    for name, r in ts.items():
+    """tokenserve tokens/s over the best transformers setting and over llama.cpp's server,
+    per workload."""
+    out: dict[str, dict[str, float]] = {"vs_best_transformers": {}, "vs_llama_cpp_server": {}}
+    for name, r in results.get("tokenserve", {}).items():
         best = max((p[name]["tok_per_s"] for k, p in results.items()
-                    if k != "tokenserve" and name in p), default=None)
+                    if k.startswith("transformers-") and name in p), default=None)
         if best:
-            out[name] = round(r["tok_per_s"] / best, 2)
+            out["vs_best_transformers"][name] = round(r["tok_per_s"] / best, 2)
+        llama = results.get("llama.cpp-server", {}).get(name)
+        if llama:
+            out["vs_llama_cpp_server"][name] = round(r["tok_per_s"] / llama["tok_per_s"], 2)
     return out
 
 
@@ -275,7 +382,8 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(names))], names)
         ax.set_title(title)
     axes[0].legend()
-    fig.suptitle("SmolLM2-135M: tokenserve engine (gRPC streams) vs transformers generate")
+    fig.suptitle("SmolLM2-135M: tokenserve engine (gRPC streams) vs transformers generate"
+                 " vs llama.cpp server")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

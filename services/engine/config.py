@@ -34,6 +34,9 @@ class EngineConfig:
     # Tokens computed per step across all requests: bounds how long one prefill chunk
     # delays running decodes.
     max_batched_tokens: int = 256
+    # While requests decode, a step's prompt tokens are limited so it is expected to take at
+    # most this long (learned from step timings); 0: only max_batched_tokens bounds them.
+    itl_target_ms: float = 100.0
     block_size: int = 16
     # KV cache size; None: the runner sizes it from available memory.
     kv_cache_mb: int | None = None
@@ -65,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"max_batched_tokens ({self.max_batched_tokens}) must be >="
                              f" max_concurrency ({self.max_concurrency}): every running request"
                              " decodes one token per step")
+        if not self.itl_target_ms >= 0:
+            raise ValueError(f"itl_target_ms must be >= 0 (0 turns it off), got {self.itl_target_ms}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:

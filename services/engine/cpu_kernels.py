@@ -1,11 +1,13 @@
 """Small AVX2 CPU kernels, built on first use, for what torch does slowly at decode sizes.
 
-int8_linear:  y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]
-              x: float32 [M, K], q: int8 [N, K], scale: float32 [N]; each converted weight
-              vector serves 6 rows of x, so a batch of decodes costs far less than M calls
+int8_linear:  y[m, n] = scale[n] * sum_k x[m, k] * q[n, k], with q packed by `pack_int8`
+              (blocks of 16 output channels, k-major inside a block); each converted weight
+              vector serves up to 6 rows of x, so a batch of decodes costs far less than M
+              calls, and a prefill chunk runs as fast as the float GEMM
 paged_decode_attention: one query per sequence against its K/V read in place through its
               block table (torch would gather every block into a padded copy per layer)
 add_rmsnorm:  x += delta (in place, when given); out = x * rsqrt(mean(x^2) + eps) * w
+silu_mul, argmax_rows: the MLP activation and greedy sampling in one pass each
               one call instead of torch's ~6 kernel launches per norm, per layer, per token
 
 torch's own int8 kernel (`_weight_int8pack_mm`) is slow on CPUs without AVX-512 and wants
@@ -42,56 +44,77 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* y[m, n] for an NR x MR tile: each (n, m) has exactly one 8-lane accumulator over k in
-   steps of 8, then one horizontal sum, so y[m, n] is bit-identical whatever M is and whatever
-   tile computed it (a sequence's logits do not depend on what else is in the batch).
-   Each weight vector is converted to float once per tile and used by MR rows. */
-#define TILE(NR, MR)                                                                        \
-static inline void tile_##NR##x##MR(const float *x, const int8_t *q, const float *scale,  \
-                                    float *y, int64_t m0, int64_t n0, int64_t N, int64_t K) { \
-    __m256 acc[NR][MR];                                                                     \
-    for (int i = 0; i < NR; i++)                                                            \
-        for (int j = 0; j < MR; j++) acc[i][j] = _mm256_setzero_ps();                       \
-    for (int64_t k = 0; k < K; k += 8) {                                                    \
-        if ((k & 63) == 0) /* the next group of 4 rows: 4 interleaved streams defeat the  \
-                              hardware prefetcher on matrices larger than the caches */    \
-            for (int i = 0; i < NR; i++)                                                    \
-                _mm_prefetch((const char *)(q + (n0 + i + 4) * K + k), _MM_HINT_T0);        \
-        __m256 w[NR];                                                                       \
-        for (int i = 0; i < NR; i++)                                                        \
-            w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                                 \
-                _mm_loadl_epi64((const __m128i *)(q + (n0 + i) * K + k))));                 \
-        for (int j = 0; j < MR; j++) {                                                      \
-            __m256 xv = _mm256_loadu_ps(x + (m0 + j) * K + k);                              \
-            for (int i = 0; i < NR; i++) acc[i][j] = _mm256_fmadd_ps(w[i], xv, acc[i][j]);  \
+/* Weight-only int8 GEMM over weights packed in blocks of 16 output channels:
+   p[(b * K + k) * 16 + i] = q[b * 16 + i, k]. A block's 16 weights at one k are one 16-byte
+   load, converted to two float vectors (lanes = output channels) and multiplied by x[m, k]
+   broadcast, for MR rows at once. y[m, n] is one FMA chain over k = 0..K-1 in order, then
+   times scale[n], in every tile shape: a row's result is bit-identical whatever M is and
+   whatever tile computed it (a sequence's logits do not depend on the rest of the batch).
+   Tiles NB blocks x MR rows keep 2 * NB * MR <= 12 accumulators in registers. */
+/* Fully unrolled, so gcc keeps every accumulator in a register. */
+#define UNROLL _Pragma("GCC unroll 8")
+#define PTILE(NB, MR)                                                                       \
+static inline void ptile_##NB##x##MR(const float *x, const int8_t *p, const float *scale,  \
+                                     float *y, int64_t m0, int64_t b0, int64_t N, int64_t K) { \
+    __m256 acc[NB][2][MR];                                                                  \
+    UNROLL for (int b = 0; b < NB; b++)                                                            \
+        UNROLL for (int j = 0; j < MR; j++) acc[b][0][j] = acc[b][1][j] = _mm256_setzero_ps();     \
+    const float *xr = x + m0 * K;                                                           \
+    for (int64_t k = 0; k < K; k++) {                                                       \
+        UNROLL for (int b = 0; b < NB; b++) {                                                      \
+            __m128i wb = _mm_loadu_si128((const __m128i *)(p + ((b0 + b) * K + k) * 16));   \
+            __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(wb));                       \
+            __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(wb, wb))); \
+            UNROLL for (int j = 0; j < MR; j++) {                                                  \
+                __m256 xv = _mm256_broadcast_ss(xr + j * K + k);                            \
+                acc[b][0][j] = _mm256_fmadd_ps(w0, xv, acc[b][0][j]);                       \
+                acc[b][1][j] = _mm256_fmadd_ps(w1, xv, acc[b][1][j]);                       \
+            }                                                                               \
         }                                                                                   \
     }                                                                                       \
-    for (int i = 0; i < NR; i++)                                                            \
-        for (int j = 0; j < MR; j++)                                                        \
-            y[(m0 + j) * N + n0 + i] = scale[n0 + i] * hsum(acc[i][j]);                     \
+    UNROLL for (int b = 0; b < NB; b++) {                                                          \
+        int64_t n = (b0 + b) * 16;                                                          \
+        __m256 s0 = _mm256_loadu_ps(scale + n), s1 = _mm256_loadu_ps(scale + n + 8);        \
+        UNROLL for (int j = 0; j < MR; j++) {                                                      \
+            float *yr = y + (m0 + j) * N + n;                                               \
+            __m256 r0 = _mm256_mul_ps(acc[b][0][j], s0), r1 = _mm256_mul_ps(acc[b][1][j], s1); \
+            if (n + 16 <= N) {                                                              \
+                _mm256_storeu_ps(yr, r0);                                                   \
+                _mm256_storeu_ps(yr + 8, r1);                                               \
+            } else {                                                                        \
+                float t[16];                                                                \
+                _mm256_storeu_ps(t, r0);                                                    \
+                _mm256_storeu_ps(t + 8, r1);                                                \
+                for (int64_t i = 0; n + i < N; i++) yr[i] = t[i];                           \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
 }
-TILE(2, 6)
-TILE(4, 1)
-TILE(1, 1)
+PTILE(1, 6)
+PTILE(2, 3)
+PTILE(3, 2)
+PTILE(6, 1)
 
-/* K must be a multiple of 8. Output rows n are split across the OpenMP team in groups of 4;
-   within a group the 4 weight rows (4 K bytes, L1-resident) are reused by every row of x. */
-void int8_linear(const float *x, const int8_t *q, const float *scale, float *y,
+/* x: float32 [M, K]; p: packed int8, ceil(N / 96) * 6 blocks (zero-padded); scale: float32,
+   padded like p; y: float32 [M, N]. Groups of 6 blocks (96 channels) are split across the
+   OpenMP team; inside a group, 6-row tiles, then the 1..5 remaining rows in the widest tile
+   that keeps 12 accumulators busy. */
+void int8_linear(const float *x, const int8_t *p, const float *scale, float *y,
                  int64_t M, int64_t N, int64_t K) {
-    int64_t m6 = M - M % 6;
-    int64_t groups = (N + 3) / 4;
+    int64_t groups = (N + 95) / 96;
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        int64_t n0 = g * 4;
-        if (n0 + 4 <= N) {
-            for (int64_t m = 0; m < m6; m += 6) {
-                tile_2x6(x, q, scale, y, m, n0, N, K);
-                tile_2x6(x, q, scale, y, m, n0 + 2, N, K);
-            }
-            for (int64_t m = m6; m < M; m++) tile_4x1(x, q, scale, y, m, n0, N, K);
-        } else {
-            for (int64_t n = n0; n < N; n++)
-                for (int64_t m = 0; m < M; m++) tile_1x1(x, q, scale, y, m, n, N, K);
+        int64_t b0 = g * 6, m = 0;
+        for (; m + 6 <= M; m += 6)
+            for (int64_t b = 0; b < 6; b++) ptile_1x6(x, p, scale, y, m, b0 + b, N, K);
+        if (M - m >= 3) {
+            for (int64_t b = 0; b < 6; b += 2) ptile_2x3(x, p, scale, y, m, b0 + b, N, K);
+            m += 3;
+        }
+        if (M - m == 2) {
+            for (int64_t b = 0; b < 6; b += 3) ptile_3x2(x, p, scale, y, m, b0 + b, N, K);
+        } else if (M - m == 1) {
+            ptile_6x1(x, p, scale, y, m, b0, N, K);
         }
     }
 }
@@ -114,31 +137,31 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-static inline const float *kv_row(const float *cache, const int64_t *table, int64_t l, int64_t bs,
-                                  int64_t Hkv, int64_t hk, int64_t D) {
-    return cache + ((table[l / bs] * bs + l % bs) * Hkv + hk) * D;
-}
-
 /* One query token per sequence over its paged K/V, read in place through its block table.
    q, out: [B, H, D]; kc, vc: [num_blocks, bs, Hkv, D]; tables: [B, max_nb]; ctx: [B].
    Query head h uses KV head h / (H / Hkv). D % 8 == 0. Each (sequence, KV head) is one task:
-   scores for its G query heads (8 key rows at a time, independent FMA chains), softmax, then
-   the probability-weighted sum of V rows (64 output lanes held in registers). */
+   the offsets of its L cached rows (walked block by block, no division per row), scores for
+   its G query heads (8 key rows at a time, independent FMA chains), softmax, then the
+   probability-weighted sum of V rows (64 output lanes held in registers). */
 void paged_decode_attention(const float *q, const float *kc, const float *vc, const int64_t *tables,
                             const int64_t *ctx, float *out, int64_t B, int64_t H, int64_t Hkv,
                             int64_t D, int64_t bs, int64_t max_nb, float scale) {
-    int64_t G = H / Hkv;
+    int64_t G = H / Hkv, row = Hkv * D;
     #pragma omp parallel for schedule(dynamic)
     for (int64_t task = 0; task < B * Hkv; task++) {
         int64_t b = task / Hkv, hk = task % Hkv, L = ctx[b];
         const int64_t *table = tables + b * max_nb;
         int64_t Lp = (L + 7) & ~(int64_t)7;
-        float *p = (float *)malloc(sizeof(float) * G * Lp);
+        float *p = (float *)malloc(sizeof(float) * G * Lp + sizeof(int64_t) * Lp);
+        int64_t *off = (int64_t *)(p + G * Lp);
+        for (int64_t l = 0, blk = 0; l < L; blk++)
+            for (int64_t i = 0; i < bs && l < L; i++, l++) off[l] = (table[blk] * bs + i) * row + hk * D;
+        for (int64_t l = L; l < Lp; l++) off[l] = off[0];
         const float *qb = q + (b * H + hk * G) * D;
         for (int64_t l0 = 0; l0 < L; l0 += 8) {
             int64_t n = L - l0 < 8 ? L - l0 : 8;
             const float *kr[8];
-            for (int64_t i = 0; i < 8; i++) kr[i] = kv_row(kc, table, l0 + (i < n ? i : 0), bs, Hkv, hk, D);
+            for (int64_t i = 0; i < 8; i++) kr[i] = kc + off[l0 + i];
             for (int64_t g = 0; g < G; g++) {
                 const float *qg = qb + g * D;
                 __m256 a[8];
@@ -167,7 +190,7 @@ void paged_decode_attention(const float *q, const float *kc, const float *vc, co
                 __m256 acc[8];
                 for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
                 for (int64_t l = 0; l < L; l++) {
-                    const float *vr = kv_row(vc, table, l, bs, Hkv, hk, D) + d0;
+                    const float *vr = vc + off[l] + d0;
                     __m256 w = _mm256_set1_ps(pg[l]);
                     for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * i), acc[i]);
                 }
@@ -176,14 +199,63 @@ void paged_decode_attention(const float *q, const float *kc, const float *vc, co
             }
             for (; d0 < D; d0 += 8) {
                 __m256 acc = _mm256_setzero_ps();
-                for (int64_t l = 0; l < L; l++) {
-                    const float *vr = kv_row(vc, table, l, bs, Hkv, hk, D) + d0;
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[l]), _mm256_loadu_ps(vr), acc);
-                }
+                for (int64_t l = 0; l < L; l++)
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[l]), _mm256_loadu_ps(vc + off[l] + d0), acc);
                 _mm256_storeu_ps(o + d0, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
             }
         }
         free(p);
+    }
+}
+
+/* gu: [M, 2I] (gate columns, then up columns) -> out: [M, I] = silu(gate) * up. */
+void silu_mul(const float *gu, float *out, int64_t M, int64_t I) {
+    #pragma omp parallel for schedule(static) if (M > 4)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+        int64_t k = 0;
+        for (; k + 8 <= I; k += 8) {
+            __m256 gv = _mm256_loadu_ps(g + k);
+            __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + k, _mm256_mul_ps(s, _mm256_loadu_ps(u + k)));
+        }
+        for (; k < I; k++) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+    }
+}
+
+/* Index of the first largest value of each row of x: [M, V], with torch.argmax's rules: ties
+   go to the first index, and a NaN counts as the largest value (the first NaN wins). */
+void argmax_rows(const float *x, int64_t *out, int64_t M, int64_t V) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *r = x + m * V;
+        int64_t v = 0, best;
+        float bv = r[0];
+        int nan = r[0] != r[0];
+        if (V >= 8) {  /* vector pass for the maximum (and any NaN), then its first index */
+            __m256 mx = _mm256_loadu_ps(r);
+            __m256 un = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);
+            for (v = 8; v + 8 <= V; v += 8) {
+                __m256 xv = _mm256_loadu_ps(r + v);
+                un = _mm256_or_ps(un, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+                mx = _mm256_max_ps(mx, xv);
+            }
+            nan |= _mm256_movemask_ps(un) != 0;
+            float t[8];
+            _mm256_storeu_ps(t, mx);
+            for (int i = 0; i < 8; i++) bv = t[i] > bv ? t[i] : bv;
+        }
+        for (; v < V; v++) {
+            nan |= r[v] != r[v];
+            bv = r[v] > bv ? r[v] : bv;
+        }
+        if (nan)
+            for (best = 0; r[best] == r[best]; best++) {}
+        else
+            for (best = 0; r[best] != bv; best++) {}
+        out[m] = best;
     }
 }
 
@@ -263,6 +335,10 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         lib.int8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         lib.paged_decode_attention.restype = None
         lib.paged_decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        lib.silu_mul.restype = None
+        lib.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.argmax_rows.restype = None
+        lib.argmax_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.add_rmsnorm.restype = None
         lib.add_rmsnorm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         _lib = lib
@@ -271,14 +347,52 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     return _lib
 
 
-def int8_linear(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x: float32 [M, K] (made contiguous), q: int8 [N, K], scale: float32 [N] -> [M, N]."""
+PACK_BLOCK = 16  # output channels per packed block
+PACK_GROUP = 96  # channels per OpenMP work item (6 blocks); packed weights are padded to it
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: int8 [N, K], scale: float32 [N] -> (packed int8 [Np / 16, K, 16], scale [Np]),
+    N zero-padded to Np, a multiple of PACK_GROUP."""
+    n, k = q.shape
+    np_ = -(-n // PACK_GROUP) * PACK_GROUP
+    qp = torch.zeros((np_, k), dtype=torch.int8)
+    qp[:n] = q
+    sp = torch.zeros(np_, dtype=torch.float32)
+    sp[:n] = scale
+    return qp.view(np_ // PACK_BLOCK, PACK_BLOCK, k).transpose(1, 2).contiguous(), sp
+
+
+def unpack_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The int8 [N, K] matrix `pack_int8` packed."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n]
+
+
+def int8_linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                n: int) -> torch.Tensor:
+    """x: float32 [M, K] (made contiguous), packed/scale from `pack_int8` -> [M, n]."""
     x = x.contiguous()
     m, k = x.shape
-    n = q.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)
-    lib.int8_linear(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k)
+    lib.int8_linear(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k)
     return y
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: float32 [M, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:], [M, I]."""
+    gate_up = gate_up.contiguous()
+    m, i2 = gate_up.shape
+    out = torch.empty((m, i2 // 2), dtype=torch.float32)
+    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), m, i2 // 2)
+    return out
+
+
+def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """x: float32 [M, V] -> int64 [M], as torch.argmax(x, dim=-1)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+    return out
 
 
 def add_rmsnorm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,

@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--max-batched-tokens", type=int, default=256,
                    help="tokens per step (the prefill chunk bound)")
+    p.add_argument("--itl-target-ms", type=float, default=100.0,
+                   help="while requests decode, limit the prompt tokens computed beside them so"
+                        " a step should take at most this long; 0: off")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mb", type=int, default=None,
                    help="KV cache size (default: sized from available memory)")
@@ -70,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             metrics_port=a.metrics_port, device=a.device,
             dtype=a.dtype, quantization=a.quantization, threads=a.threads,
             max_concurrency=a.max_concurrency, max_waiting=a.max_waiting,
-            max_batched_tokens=a.max_batched_tokens, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
+            max_batched_tokens=a.max_batched_tokens, itl_target_ms=a.itl_target_ms,
+            block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
             enable_prefix_caching=not a.no_prefix_caching, watts=a.watts,
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
             advertise=a.advertise, grace_seconds=a.grace_seconds, drain_seconds=a.drain_seconds,
@@ -103,6 +107,7 @@ def build_core(config: EngineConfig) -> EngineCore:
         SchedulerConfig(max_num_seqs=config.max_concurrency,
                         max_num_batched_tokens=config.max_batched_tokens,
                         max_waiting=config.max_waiting, max_model_len=runner.max_context,
+                        itl_target_s=config.itl_target_ms / 1000,
                         # keep ~1% free so running requests can grow without preemption
                         admission_reserve_blocks=max(1, runner.num_blocks // 100)),
         BlockManager(runner.num_blocks, runner.block_size,

@@ -76,14 +76,19 @@ class LlamaModel:
             write_kv(kv.k[i], kv.v[i], k, v, meta.slots)
             attn = attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self._kernels)  # [T, H * D]
             h = self._norm(x, layer.o(attn), layer.ffn_norm)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            mlp = layer.down(F.silu(gate) * up)
+            mlp = layer.down(self._silu_mul(layer.gate_up(h)))
             if i + 1 < len(self.layers):
                 h = self._norm(x, mlp, self.layers[i + 1].attn_norm)
             else:
                 x.add_(mlp)
         x = self._norm(x[logit_rows].contiguous(), None, self.norm)
         return self.lm_head(x).float()
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._kernels is not None:
+            return cpu_kernels.silu_mul(self._kernels, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
         """x += delta (in place), then RMSNorm(x) * w. One fused call on float32 CPU."""

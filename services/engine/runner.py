@@ -81,7 +81,7 @@ class ModelRunner:
         self.kv = KVCache(c.num_layers, self.num_blocks, block_size, c.num_kv_heads, c.head_dim,
                           DTYPES[dtype], device)
         self.max_context = min(c.max_position, self.num_blocks * block_size)
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, kernels=kernels)
         self.load_seconds = time.perf_counter() - t0
         log.info("runner_ready", model=self.model_name, dtype=dtype, quantization=quantization,
                  num_blocks=self.num_blocks, block_size=block_size, max_context=self.max_context,

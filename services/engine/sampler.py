@@ -12,18 +12,26 @@ from __future__ import annotations
 
 import torch
 
+from services.engine import cpu_kernels
 from services.engine.interface import SampledToken, SamplingParams, SeqChunk, TopLogprob
 
 
 class Sampler:
-    def __init__(self, device: str = "cpu", seed: int | None = None):
+    def __init__(self, device: str = "cpu", seed: int | None = None, kernels: bool = True):
+        """kernels: greedy argmax through the AVX2 kernel on the CPU (torch.argmax otherwise)."""
         self.device = device
+        self._lib = cpu_kernels.load() if kernels and device == "cpu" else None
         self._shared = torch.Generator(device="cpu")
         if seed is None:
             self._shared.seed()
         else:
             self._shared.manual_seed(seed)
         self._seeded: dict[int, torch.Generator] = {}
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._lib is not None and logits.dtype == torch.float32:
+            return cpu_kernels.argmax_rows(self._lib, logits)
+        return torch.argmax(logits, dim=-1)
 
     def forget(self, seq_ids) -> None:
         """Drop per-sequence generators of finished sequences."""
@@ -46,7 +54,7 @@ class Sampler:
         want_lp = any(p.logprobs for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
 
-        token_ids = torch.argmax(logits, dim=-1)  # greedy for every row; sampled rows overwritten
+        token_ids = self._argmax(logits)  # greedy for every row; sampled rows overwritten
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             u = torch.cat([torch.rand(1, generator=self._generator(chunks[i].seq_id, params[i]))

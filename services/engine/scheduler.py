@@ -5,6 +5,11 @@ delays decodes by at most one chunk), then waiting ones are admitted while slots
 and KV blocks last. A sequence gets min(remaining tokens, budget left) tokens, which is
 chunked prefill, decode (1 token) and recompute after preemption under one rule.
 
+Inter-token latency target (`itl_target_s`): while sequences are decoding, the prompt
+tokens computed in the same step are limited to what the learned step costs say fits in
+the target (at least MIN_PREFILL_CHUNK, so prompts always progress). Decoding streams then
+stall for one short chunk, not a whole budget's worth of prompt, when others arrive.
+
 Policies:
 - priority: higher `priority` is scheduled, admitted and kept first; when KV blocks run
   out the lowest-priority (then youngest) running sequence is preempted and recomputed.
@@ -36,6 +41,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # Free blocks kept back when admitting new sequences, so running ones can grow.
     admission_reserve_blocks: int = 0
+    # Seconds a step may take while sequences decode (bounds the prompt tokens beside them);
+    # 0: no bound beyond max_num_batched_tokens.
+    itl_target_s: float = 0.0
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -47,6 +55,43 @@ class SchedulerConfig:
         if self.max_waiting < 0 or self.max_model_len < 2 or self.admission_reserve_blocks < 0:
             raise ValueError("max_waiting and admission_reserve_blocks must be >= 0,"
                              " max_model_len >= 2")
+        if not self.itl_target_s >= 0:
+            raise ValueError(f"itl_target_s must be >= 0, got {self.itl_target_s}")
+
+
+# Fewest prompt tokens a step computes beside decodes under an inter-token latency target.
+MIN_PREFILL_CHUNK = 32
+
+
+class StepCosts:
+    """What steps cost, learned from the runner's timings: the last decode-only step's
+    seconds, and seconds per prompt token on top of the decodes (moving averages)."""
+
+    _WEIGHT = 0.3  # of the newest observation
+
+    def __init__(self):
+        self.decode_step: float | None = None
+        self.per_prompt_token: float | None = None
+
+    def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if not prompt_tokens:
+            self.decode_step = self._avg(self.decode_step, seconds)
+        elif not decode_rows or self.decode_step is not None:
+            extra = seconds - (self.decode_step or 0.0) if decode_rows else seconds
+            if extra > 0:
+                self.per_prompt_token = self._avg(self.per_prompt_token, extra / prompt_tokens)
+
+    def prompt_tokens_within(self, seconds: float) -> int | None:
+        """Prompt tokens a step with the current decodes can add and stay within `seconds`;
+        None until both costs are known."""
+        if self.decode_step is None or self.per_prompt_token is None:
+            return None
+        return int((seconds - self.decode_step) / self.per_prompt_token)
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self._WEIGHT * (new - old)
 
 
 @dataclass
@@ -71,6 +116,7 @@ class Scheduler:
         self._tenant_last_admit: dict[str, int] = {}
         self._admit_counter = itertools.count()
         self.num_preemptions = 0
+        self.costs = StepCosts()
 
     # -- requests in and out ------------------------------------------------------------
     @property
@@ -119,12 +165,15 @@ class Scheduler:
         chunks: list[SeqChunk] = []
         # decodes first, then unfinished prefills; each by priority then age
         self.running.sort(key=lambda s: (s.num_remaining > 1, -s.priority, s.arrival))
+        prompt_left = self._prompt_allowance()
         scheduled: set[int] = set()
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_remaining, budget)
+            if seq.num_remaining > 1 and prompt_left <= 0:
+                break  # the rest are prompts: they wait for a step with room
+            n = min(seq.num_remaining, budget, prompt_left if seq.num_remaining > 1 else 1)
             while not self.blocks.allocate(seq, n):
                 victim = self._pick_victim(scheduled)
                 self._preempt(victim)
@@ -135,16 +184,27 @@ class Scheduler:
                 chunks.append(self._chunk(seq, n, now))
                 scheduled.add(seq.seq_id)
                 budget -= n
+                if n > 1:
+                    prompt_left -= n
                 i += 1
                 continue
             # seq itself was preempted: running[i] is now the next one
-        if not preempted:
-            budget = self._admit(chunks, budget, now)
+        if not preempted and prompt_left > 0:
+            self._admit(chunks, min(budget, prompt_left), now)
         # Ended sequences reach the runner with the next batch that has work.
         finished: list[int] = []
         if chunks:
             finished, self._finished_ids = self._finished_ids, []
         return Batch(chunks=chunks, finished_seq_ids=finished)
+
+    def _prompt_allowance(self) -> int:
+        """Prompt tokens this step may compute (beside any decodes)."""
+        cap = self.config.max_num_batched_tokens
+        target = self.config.itl_target_s
+        if not target or not any(s.num_remaining == 1 for s in self.running):
+            return cap
+        fits = self.costs.prompt_tokens_within(target)
+        return cap if fits is None else min(cap, max(MIN_PREFILL_CHUNK, fits))
 
     def _admit(self, chunks: list[SeqChunk], budget: int, now: float) -> int:
         cfg = self.config
@@ -204,6 +264,8 @@ class Scheduler:
         """Applies a step's results: advances progress, appends sampled tokens, and ends
         sequences on EOS, a stop token id, max_tokens or a full context."""
         events: list[TokenEvent] = []
+        decode_rows = sum(1 for c in batch.chunks if len(c.token_ids) == 1)
+        self.costs.observe(decode_rows, batch.num_tokens - decode_rows, output.seconds)
         for chunk in batch.chunks:
             seq = self._by_id.get(chunk.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:

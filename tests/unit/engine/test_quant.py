@@ -28,7 +28,7 @@ def test_quantization_error_is_within_half_a_step(weight):
     assert ((dequantized(lin) - weight).abs() <= step / 2 + 1e-6).all()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6, 7, 16, 17, 64, 65])
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 16, 17, 64, 65, 300])
 def test_int8_linear_matches_its_dequantized_weight(weight, rows):
     lin = Int8Linear(weight, torch.float32)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
@@ -52,22 +52,33 @@ def test_kernel_and_fallback_agree(weight):
 
 
 def test_kernel_row_results_do_not_depend_on_the_batch(weight):
-    """Tiles of 6 rows and the 1-row remainder sum in the same order: a decode's output is
-    bit-identical whatever else is in the batch."""
+    """Every tile shape (6, 3, 2 or 1 rows) sums in the same order: a decode's output is
+    bit-identical whatever else is in the batch, prefill chunks included."""
     lin = Int8Linear(weight, torch.float32)
     if lin._lib is None:
         pytest.skip("kernel unavailable here")
-    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(300, 96, generator=torch.Generator().manual_seed(5))
     full = lin(x)
-    for m in (1, 5, 6, 13):
+    for m in (1, 2, 3, 4, 5, 6, 13, 64):
         assert torch.equal(lin(x[:m]), full[:m])
     assert torch.equal(lin(x[40:41]), full[40:41])
 
 
-def test_odd_inner_size_uses_the_torch_path():
-    lin = Int8Linear(torch.randn(8, 40), torch.float32)  # 40 is not a multiple of 32
+@pytest.mark.parametrize("out_features, in_features", [(8, 40), (97, 33), (200, 96)])
+def test_any_shape_matches_its_dequantized_weight(out_features, in_features):
+    """Packed weights are padded to whole 96-channel groups; only the real outputs come back."""
+    lin = Int8Linear(torch.randn(out_features, in_features), torch.float32)
+    for rows in (1, 2, 7):
+        x = torch.randn(rows, in_features)
+        y = lin(x)
+        assert y.shape == (rows, out_features)
+        assert torch.allclose(y, F.linear(x, dequantized(lin)), atol=1e-4)
+
+
+def test_without_kernels_the_torch_path_is_used(weight):
+    lin = Int8Linear(weight, torch.float32, kernels=False)
     assert lin._lib is None
-    x = torch.randn(1, 40)
+    x = torch.randn(3, 96)
     assert torch.allclose(lin(x), F.linear(x, dequantized(lin)), atol=1e-4)
 
 

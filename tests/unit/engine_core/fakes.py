@@ -29,6 +29,8 @@ class FakeRunner:
         self.fail_next = False
         # seq_id -> tokens to sample instead of the model's (EOS, stop ids)
         self.script: dict[int, list[int]] = {}
+        # the step time it reports: (decode rows, prompt tokens) -> seconds
+        self.cost = lambda decode_rows, prompt_tokens: 0.001
 
     def execute(self, batch: Batch) -> RunnerOutput:
         if self.fail_next:
@@ -60,7 +62,8 @@ class FakeRunner:
                 forced = self.script.get(c.seq_id)
                 tok = forced.pop(0) if forced else next_token(context)
                 sampled[c.seq_id] = SampledToken(tok, logprob=-0.5)
-        return RunnerOutput(sampled=sampled, seconds=0.001)
+        decode_rows = sum(1 for c in batch.chunks if len(c.token_ids) == 1)
+        return RunnerOutput(sampled=sampled, seconds=self.cost(decode_rows, batch.num_tokens - decode_rows))
 
 
 def next_token(context: list[int]) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from services.engine.block_manager import BlockManager
-from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.scheduler import MIN_PREFILL_CHUNK, Scheduler, SchedulerConfig, StepCosts
 from services.engine.sequence import FinishReason, SeqStatus
 from tests.unit.engine_core.fakes import EOS, FakeRunner, make_seq, reference_output
 
@@ -37,6 +37,8 @@ def test_config_is_validated():
         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=32)
     with pytest.raises(ValueError):
         SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="itl_target_s"):
+        SchedulerConfig(itl_target_s=-1)
 
 
 def test_every_step_respects_budget_and_slots():
@@ -70,6 +72,64 @@ def test_long_prompt_is_chunked_and_never_stalls_running_decodes():
         assert ids[0] == 1 and len(batch.chunks[0].token_ids) == 1  # decode first, every step
         assert batch.num_tokens <= 16
     assert long.output_token_ids == reference_output(long.prompt_token_ids, 1)
+
+
+def test_itl_target_limits_prompt_tokens_beside_decodes():
+    """Steps cost 60 ms of decodes plus 1 ms per prompt token: with a 100 ms target a prompt
+    arriving while others decode goes in 40-token chunks, not the whole 256 budget."""
+    sched, runner = make(num_blocks=512, max_num_batched_tokens=256, itl_target_s=0.1)
+    runner.cost = lambda decode_rows, prompt_tokens: (0.06 if decode_rows else 0.0) + 0.001 * prompt_tokens
+    first = make_seq(1, 100, max_tokens=200)
+    sched.add(first)
+    assert step(sched, runner).num_tokens == 100  # nothing decoding: the whole prompt at once
+    step(sched, runner)  # a decode-only step: its cost is learned
+    late = make_seq(2, 300, max_tokens=2)
+    sched.add(late)
+    chunks = []
+    while late.num_computed_tokens < 300:
+        batch = step(sched, runner)
+        assert batch.chunks[0].seq_id == 1  # the decode is never skipped
+        chunks += [len(c.token_ids) for c in batch.chunks if c.seq_id == 2]
+    assert chunks == [40] * 7 + [20]
+    assert late.output_token_ids == reference_output(late.prompt_token_ids, 1)
+
+
+def test_itl_target_never_starves_prompts():
+    """Decodes alone over the target: prompts still get MIN_PREFILL_CHUNK tokens a step."""
+    sched, runner = make(num_blocks=512, max_num_batched_tokens=256, itl_target_s=0.05)
+    runner.cost = lambda decode_rows, prompt_tokens: (0.2 if decode_rows else 0.0) + 0.001 * prompt_tokens
+    sched.add(make_seq(1, 10, max_tokens=500))
+    step(sched, runner)
+    step(sched, runner)
+    late = make_seq(2, 200, max_tokens=1)
+    sched.add(late)
+    step(sched, runner)  # learns the prompt cost
+    sizes = []
+    while not late.finished:
+        batch = step(sched, runner)
+        sizes += [len(c.token_ids) for c in batch.chunks if c.seq_id == 2]
+    assert sizes and all(n == MIN_PREFILL_CHUNK for n in sizes[:-1])
+
+
+def test_without_decodes_or_target_the_budget_is_the_only_limit():
+    sched, runner = make(num_blocks=512, max_num_batched_tokens=64)
+    runner.cost = lambda decode_rows, prompt_tokens: 1.0
+    sched.add(make_seq(1, 10, max_tokens=50))
+    step(sched, runner)
+    step(sched, runner)
+    sched.add(make_seq(2, 300, max_tokens=1))
+    assert step(sched, runner).num_tokens == 64  # 1 decode + 63 prompt tokens
+
+
+def test_step_costs_learn_from_timings():
+    c = StepCosts()
+    assert c.prompt_tokens_within(0.1) is None
+    c.observe(decode_rows=0, prompt_tokens=100, seconds=0.2)  # prompt only: 2 ms a token
+    assert c.prompt_tokens_within(0.1) is None  # decode cost still unknown
+    c.observe(decode_rows=8, prompt_tokens=0, seconds=0.05)
+    assert c.prompt_tokens_within(0.1) == 25
+    c.observe(decode_rows=8, prompt_tokens=10, seconds=0.0)  # no timing: ignored
+    assert c.prompt_tokens_within(0.1) == 25
 
 
 def test_stop_on_eos_unless_ignored_and_on_stop_token_ids():

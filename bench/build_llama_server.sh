@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's own server (the continuous-batching peer of bench/engine_concurrency.py)
+# from the llama-cpp-python source distribution, for CPUs with AVX2 but without AVX-512/AMX
+# (a native build enables kernels that crash on these machines; see ../shared/BENCH.md).
+#   bench/build_llama_server.sh [WORKDIR]    # prints the binary's path; 5-15 min on 2 cores
+set -euo pipefail
+work="${1:-${TMPDIR:-/tmp}/llama-server-build}"
+version=0.3.36
+mkdir -p "$work"
+cd "$work"
+if [ ! -d "llama_cpp_python-$version" ]; then
+    python -m pip download "llama-cpp-python==$version" --no-deps --no-binary :all: -d . >&2
+    tar xzf "llama_cpp_python-$version.tar.gz"
+fi
+cd "llama_cpp_python-$version/vendor/llama.cpp"
+cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_F16C=ON \
+    -DGGML_FMA=ON -DGGML_BMI2=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI=OFF \
+    -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON >&2
+cmake --build build --target llama-server -j "$(nproc)" >&2
+echo "$PWD/build/bin/llama-server"
