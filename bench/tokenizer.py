@@ -5,8 +5,9 @@
 Corpus: real source code (the installed `transformers` package's .py files) cut into ~1 KB
 prompts. Measured per run, then the median over runs:
   - single: one prompt per call, sequential. Raw = `Tokenizer.encode`; service = `Encode` RPC
-    through a sync gRPC stub to a `python -m services.tokenizer` process on loopback.
-    Added latency = service p50 - raw p50. `GetTokenizerInfo` gives the bare RPC round trip.
+    through a sync gRPC stub to a `python -m services.tokenizer` process on loopback; the two
+    (and a bare `GetTokenizerInfo` RPC every other prompt) alternate prompt by prompt.
+    Added latency = service p50 - raw p50; the bare RPC p50 is the gRPC round trip alone.
   - batched: `--batch` prompts per call. Raw = `Tokenizer.encode_batch_fast`; service =
     `EncodeBatch`. Throughput in tokens/s; ratio = service / raw.
 Writes bench/results/tokenizer.json and bench/results/tokenizer.png.
@@ -87,25 +88,22 @@ def pct(values: list[float], q: float) -> float:
 
 
 def one_run(backend, stub, prompts: list[str], batch: list[str]) -> dict:
-    # single, raw
-    lat_raw, tokens = [], 0
-    for p in prompts:
+    # single: raw library, service and a bare RPC interleaved prompt by prompt, so the
+    # machine's drift (a shared host) hits all three alike
+    lat_raw, lat_svc, lat_rpc, tokens, tokens_svc = [], [], [], 0, 0
+    info = pb.GetTokenizerInfoRequest(model=MODEL)
+    for i, p in enumerate(prompts):
         t = time.perf_counter()
         tokens += len(backend.encode(p).ids)
         lat_raw.append(time.perf_counter() - t)
-    # single, service
-    lat_svc, tokens_svc = [], 0
-    for p in prompts:
         t = time.perf_counter()
         tokens_svc += len(stub.Encode(pb.EncodeRequest(model=MODEL, text=p)).token_ids)
         lat_svc.append(time.perf_counter() - t)
+        if i % 2 == 0:
+            t = time.perf_counter()
+            stub.GetTokenizerInfo(info)
+            lat_rpc.append(time.perf_counter() - t)
     assert tokens == tokens_svc, "service and library disagree"
-    # bare round trip
-    lat_rpc = []
-    for _ in range(len(prompts) // 2):
-        t = time.perf_counter()
-        stub.GetTokenizerInfo(pb.GetTokenizerInfoRequest(model=MODEL))
-        lat_rpc.append(time.perf_counter() - t)
     # batched
     t = time.perf_counter()
     batch_tokens = sum(len(e.ids) for e in backend.encode_batch_fast(batch))

@@ -1,8 +1,8 @@
 """Small AVX2 CPU kernels, built on first use, for what torch does slowly at decode sizes.
 
 int8_linear:  y[m, n] = scale[n] * sum_k x[m, k] * q[n, k], with q packed by `pack_int8`
-              (blocks of 16 output channels, k-major inside a block); each converted weight
-              vector serves up to 6 rows of x, so a batch of decodes costs far less than M
+              (blocks of 8 output channels, k-major inside a block); each converted weight
+              vector serves up to 12 rows of x, so a batch of decodes costs far less than M
               calls, and a prefill chunk runs as fast as the float GEMM
 paged_decode_attention: one query per sequence against its K/V read in place through its
               block table (torch would gather every block into a padded copy per layer)
@@ -44,77 +44,78 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Weight-only int8 GEMM over weights packed in blocks of 16 output channels:
-   p[(b * K + k) * 16 + i] = q[b * 16 + i, k]. A block's 16 weights at one k are one 16-byte
-   load, converted to two float vectors (lanes = output channels) and multiplied by x[m, k]
-   broadcast, for MR rows at once. y[m, n] is one FMA chain over k = 0..K-1 in order, then
-   times scale[n], in every tile shape: a row's result is bit-identical whatever M is and
-   whatever tile computed it (a sequence's logits do not depend on the rest of the batch).
-   Tiles NB blocks x MR rows keep 2 * NB * MR <= 12 accumulators in registers. */
-/* Fully unrolled, so gcc keeps every accumulator in a register. */
-#define UNROLL _Pragma("GCC unroll 8")
+/* Weight-only int8 GEMM over weights packed in blocks of 8 output channels:
+   p[(b * K + k) * 8 + i] = q[b * 8 + i, k]. A block's 8 weights at one k are one 8-byte load
+   converted to a float vector (lanes = output channels), multiplied by x[m, k] broadcast for
+   MR rows at once. y[m, n] is one FMA chain over k = 0..K-1 in order, then times scale[n], in
+   every tile shape: a row's result is bit-identical whatever M is and whatever tile computed
+   it (a sequence's logits do not depend on the rest of the batch). Tiles of NB blocks x MR
+   rows keep NB * MR = 12 accumulators in registers. */
+#define UNROLL _Pragma("GCC unroll 12")
 #define PTILE(NB, MR)                                                                       \
 static inline void ptile_##NB##x##MR(const float *x, const int8_t *p, const float *scale,  \
                                      float *y, int64_t m0, int64_t b0, int64_t N, int64_t K) { \
-    __m256 acc[NB][2][MR];                                                                  \
-    UNROLL for (int b = 0; b < NB; b++)                                                            \
-        UNROLL for (int j = 0; j < MR; j++) acc[b][0][j] = acc[b][1][j] = _mm256_setzero_ps();     \
+    __m256 acc[NB][MR];                                                                     \
+    UNROLL for (int b = 0; b < NB; b++)                                                     \
+        UNROLL for (int j = 0; j < MR; j++) acc[b][j] = _mm256_setzero_ps();                \
     const float *xr = x + m0 * K;                                                           \
     for (int64_t k = 0; k < K; k++) {                                                       \
-        UNROLL for (int b = 0; b < NB; b++) {                                                      \
-            __m128i wb = _mm_loadu_si128((const __m128i *)(p + ((b0 + b) * K + k) * 16));   \
-            __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(wb));                       \
-            __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(wb, wb))); \
-            UNROLL for (int j = 0; j < MR; j++) {                                                  \
-                __m256 xv = _mm256_broadcast_ss(xr + j * K + k);                            \
-                acc[b][0][j] = _mm256_fmadd_ps(w0, xv, acc[b][0][j]);                       \
-                acc[b][1][j] = _mm256_fmadd_ps(w1, xv, acc[b][1][j]);                       \
-            }                                                                               \
+        UNROLL for (int b = 0; b < NB; b++) {                                               \
+            __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                             \
+                _mm_loadl_epi64((const __m128i *)(p + ((b0 + b) * K + k) * 8))));           \
+            UNROLL for (int j = 0; j < MR; j++)                                             \
+                acc[b][j] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(xr + j * K + k), acc[b][j]); \
         }                                                                                   \
     }                                                                                       \
-    UNROLL for (int b = 0; b < NB; b++) {                                                          \
-        int64_t n = (b0 + b) * 16;                                                          \
-        __m256 s0 = _mm256_loadu_ps(scale + n), s1 = _mm256_loadu_ps(scale + n + 8);        \
-        UNROLL for (int j = 0; j < MR; j++) {                                                      \
+    UNROLL for (int b = 0; b < NB; b++) {                                                   \
+        int64_t n = (b0 + b) * 8;                                                           \
+        __m256 sc = _mm256_loadu_ps(scale + n);                                             \
+        UNROLL for (int j = 0; j < MR; j++) {                                               \
             float *yr = y + (m0 + j) * N + n;                                               \
-            __m256 r0 = _mm256_mul_ps(acc[b][0][j], s0), r1 = _mm256_mul_ps(acc[b][1][j], s1); \
-            if (n + 16 <= N) {                                                              \
-                _mm256_storeu_ps(yr, r0);                                                   \
-                _mm256_storeu_ps(yr + 8, r1);                                               \
+            __m256 r = _mm256_mul_ps(acc[b][j], sc);                                        \
+            if (n + 8 <= N) {                                                               \
+                _mm256_storeu_ps(yr, r);                                                    \
             } else {                                                                        \
-                float t[16];                                                                \
-                _mm256_storeu_ps(t, r0);                                                    \
-                _mm256_storeu_ps(t + 8, r1);                                                \
+                float t[8];                                                                 \
+                _mm256_storeu_ps(t, r);                                                     \
                 for (int64_t i = 0; n + i < N; i++) yr[i] = t[i];                           \
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
 }
-PTILE(1, 6)
-PTILE(2, 3)
-PTILE(3, 2)
-PTILE(6, 1)
+PTILE(1, 12)
+PTILE(2, 6)
+PTILE(3, 4)
+PTILE(4, 3)
+PTILE(6, 2)
+PTILE(12, 1)
 
-/* x: float32 [M, K]; p: packed int8, ceil(N / 96) * 6 blocks (zero-padded); scale: float32,
-   padded like p; y: float32 [M, N]. Groups of 6 blocks (96 channels) are split across the
-   OpenMP team; inside a group, 6-row tiles, then the 1..5 remaining rows in the widest tile
-   that keeps 12 accumulators busy. */
+/* x: float32 [M, K]; p: packed int8, ceil(N / 96) * 12 blocks (zero-padded); scale: float32,
+   padded like p; y: float32 [M, N]. Groups of 12 blocks (96 channels) are split across the
+   OpenMP team; inside a group, 12-row tiles, then the 1..11 remaining rows in tiles that
+   keep 12 accumulators busy. */
 void int8_linear(const float *x, const int8_t *p, const float *scale, float *y,
                  int64_t M, int64_t N, int64_t K) {
     int64_t groups = (N + 95) / 96;
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        int64_t b0 = g * 6, m = 0;
-        for (; m + 6 <= M; m += 6)
-            for (int64_t b = 0; b < 6; b++) ptile_1x6(x, p, scale, y, m, b0 + b, N, K);
-        if (M - m >= 3) {
-            for (int64_t b = 0; b < 6; b += 2) ptile_2x3(x, p, scale, y, m, b0 + b, N, K);
-            m += 3;
+        int64_t b0 = g * 12, m = 0;
+        for (; m + 12 <= M; m += 12)
+            for (int64_t b = 0; b < 12; b++) ptile_1x12(x, p, scale, y, m, b0 + b, N, K);
+        if (M - m >= 6) {
+            for (int64_t b = 0; b < 12; b += 2) ptile_2x6(x, p, scale, y, m, b0 + b, N, K);
+            m += 6;
         }
-        if (M - m == 2) {
-            for (int64_t b = 0; b < 6; b += 3) ptile_3x2(x, p, scale, y, m, b0 + b, N, K);
+        if (M - m >= 4) {
+            for (int64_t b = 0; b < 12; b += 3) ptile_3x4(x, p, scale, y, m, b0 + b, N, K);
+            m += 4;
+        }
+        if (M - m == 3) {
+            for (int64_t b = 0; b < 12; b += 4) ptile_4x3(x, p, scale, y, m, b0 + b, N, K);
+        } else if (M - m == 2) {
+            for (int64_t b = 0; b < 12; b += 6) ptile_6x2(x, p, scale, y, m, b0 + b, N, K);
         } else if (M - m == 1) {
-            ptile_6x1(x, p, scale, y, m, b0, N, K);
+            ptile_12x1(x, p, scale, y, m, b0, N, K);
         }
     }
 }
@@ -347,12 +348,12 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     return _lib
 
 
-PACK_BLOCK = 16  # output channels per packed block
-PACK_GROUP = 96  # channels per OpenMP work item (6 blocks); packed weights are padded to it
+PACK_BLOCK = 8  # output channels per packed block (one float vector)
+PACK_GROUP = 96  # channels per OpenMP work item (12 blocks); packed weights are padded to it
 
 
 def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: int8 [N, K], scale: float32 [N] -> (packed int8 [Np / 16, K, 16], scale [Np]),
+    """q: int8 [N, K], scale: float32 [N] -> (packed int8 [Np / 8, K, 8], scale [Np]),
     N zero-padded to Np, a multiple of PACK_GROUP."""
     n, k = q.shape
     np_ = -(-n // PACK_GROUP) * PACK_GROUP
