@@ -104,8 +104,8 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: t
              slots: torch.Tensor) -> None:
     """k, v: [T, Hkv, D] -> their slots in the paged cache."""
     hkv, d = k.shape[1], k.shape[2]
-    cache_k.view(-1, hkv, d).index_copy_(0, slots, k)
-    cache_v.view(-1, hkv, d).index_copy_(0, slots, v)
+    cache_k.view(-1, hkv, d).index_copy_(0, slots, k.to(cache_k.dtype))
+    cache_v.view(-1, hkv, d).index_copy_(0, slots, v.to(cache_v.dtype))
 
 
 def _read(cache: torch.Tensor, blocks: list[int], ctx: int) -> torch.Tensor:
@@ -123,7 +123,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Ten
            cache_v: torch.Tensor, meta: AttentionMetadata, scale: float,
            kernels: ctypes.CDLL | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (already written to the cache) -> [T, H * D].
-    kernels: the cpu_kernels library (float32 CPU caches only) for the decode rows, else torch."""
+    The cache may hold a narrower dtype than q (e.g. float16 K/V for float32 compute).
+    kernels: the cpu_kernels library (float32 queries, float32 or float16 CPU caches) for the
+    decode rows, else torch."""
     t, h, d = q.shape
     group = h // k.shape[1]
     if not meta.prefills:  # decode-only step: no staging buffer
@@ -136,7 +138,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Ten
             ks, vs, mask = k[rows], v[rows], None  # [q, Hkv, D]
         else:
             ctx = span.start_pos + span.q_len
-            ks, vs = _read(cache_k, span.blocks, ctx), _read(cache_v, span.blocks, ctx)  # [ctx, Hkv, D]
+            ks = _read(cache_k, span.blocks, ctx).to(q.dtype)  # [ctx, Hkv, D]
+            vs = _read(cache_v, span.blocks, ctx).to(q.dtype)
             qpos = torch.arange(span.start_pos, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [q, ctx]
         # 4-D inputs with K/V repeated per query head: torch's CPU flash kernel is several
@@ -156,7 +159,7 @@ def _decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, meta:
             scale: float, group: int, kernels: ctypes.CDLL | None) -> torch.Tensor:
     """One query per row. q: [B, H, D] -> [B, H, D]. Plain matmuls beat the flash kernel here."""
     b, h, d = q.shape
-    if kernels is not None and d % 8 == 0:
+    if kernels is not None and d % 8 == 0 and cache_k.dtype in (torch.float32, torch.float16):
         # Reads each sequence's blocks in place: no padded gather, no per-layer copies.
         return cpu_kernels.paged_decode_attention(kernels, q, cache_k, cache_v, meta.decode_blocks,
                                                   meta.decode_ctx, scale)
@@ -164,12 +167,12 @@ def _decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, meta:
     if meta.decode_contiguous is not None:
         first, ctx = meta.decode_contiguous
         nb = -(-ctx // cache_k.shape[1])
-        ks = cache_k[first:first + nb].flatten(0, 1)[:ctx].unsqueeze(0)  # [1, L, Hkv, D], a view
-        vs = cache_v[first:first + nb].flatten(0, 1)[:ctx].unsqueeze(0)
+        ks = cache_k[first:first + nb].flatten(0, 1)[:ctx].unsqueeze(0).to(q.dtype)  # [1, L, Hkv, D]
+        vs = cache_v[first:first + nb].flatten(0, 1)[:ctx].unsqueeze(0).to(q.dtype)
         mask = None
     else:
-        ks = cache_k[meta.decode_blocks].flatten(1, 2)  # [B, L, Hkv, D]
-        vs = cache_v[meta.decode_blocks].flatten(1, 2)
+        ks = cache_k[meta.decode_blocks].flatten(1, 2).to(q.dtype)  # [B, L, Hkv, D]
+        vs = cache_v[meta.decode_blocks].flatten(1, 2).to(q.dtype)
         mask = meta.decode_mask  # [B, 1, 1, L]
     scores = torch.matmul(qd, ks.permute(0, 2, 3, 1)).mul_(scale)  # [B, Hkv, G, L]
     if mask is not None:

@@ -26,6 +26,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     quantization: str = "none"
+    # What the KV cache stores (None: dtype). float16 halves its memory and decode reads.
+    kv_cache_dtype: str | None = None
     # CPU threads for torch (None: every core this process may use).
     threads: int | None = None
     # Most requests running at once (batch rows); more wait, up to max_waiting.
@@ -58,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES} (optionally cuda:N), got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.threads is not None and self.threads < 1:

@@ -139,75 +139,82 @@ static inline __m256 exp256(__m256 x) {
 }
 
 /* One query token per sequence over its paged K/V, read in place through its block table.
-   q, out: [B, H, D]; kc, vc: [num_blocks, bs, Hkv, D]; tables: [B, max_nb]; ctx: [B].
+   q, out: [B, H, D]; kc, vc: [num_blocks, bs, Hkv, D] of float32 (paged_decode_attention) or
+   float16 (paged_decode_attention_f16, converted as loaded); tables: [B, max_nb]; ctx: [B].
    Query head h uses KV head h / (H / Hkv). D % 8 == 0. Each (sequence, KV head) is one task:
    the offsets of its L cached rows (walked block by block, no division per row), scores for
    its G query heads (8 key rows at a time, independent FMA chains), softmax, then the
    probability-weighted sum of V rows (64 output lanes held in registers). */
-void paged_decode_attention(const float *q, const float *kc, const float *vc, const int64_t *tables,
-                            const int64_t *ctx, float *out, int64_t B, int64_t H, int64_t Hkv,
-                            int64_t D, int64_t bs, int64_t max_nb, float scale) {
-    int64_t G = H / Hkv, row = Hkv * D;
-    #pragma omp parallel for schedule(dynamic)
-    for (int64_t task = 0; task < B * Hkv; task++) {
-        int64_t b = task / Hkv, hk = task % Hkv, L = ctx[b];
-        const int64_t *table = tables + b * max_nb;
-        int64_t Lp = (L + 7) & ~(int64_t)7;
-        float *p = (float *)malloc(sizeof(float) * G * Lp + sizeof(int64_t) * Lp);
-        int64_t *off = (int64_t *)(p + G * Lp);
-        for (int64_t l = 0, blk = 0; l < L; blk++)
-            for (int64_t i = 0; i < bs && l < L; i++, l++) off[l] = (table[blk] * bs + i) * row + hk * D;
-        for (int64_t l = L; l < Lp; l++) off[l] = off[0];
-        const float *qb = q + (b * H + hk * G) * D;
-        for (int64_t l0 = 0; l0 < L; l0 += 8) {
-            int64_t n = L - l0 < 8 ? L - l0 : 8;
-            const float *kr[8];
-            for (int64_t i = 0; i < 8; i++) kr[i] = kc + off[l0 + i];
-            for (int64_t g = 0; g < G; g++) {
-                const float *qg = qb + g * D;
-                __m256 a[8];
-                for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-                for (int64_t d = 0; d < D; d += 8) {
-                    __m256 qv = _mm256_loadu_ps(qg + d);
-                    for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[i] + d), a[i]);
-                }
-                for (int64_t i = 0; i < n; i++) p[g * Lp + l0 + i] = hsum(a[i]) * scale;
-            }
-        }
-        for (int64_t g = 0; g < G; g++) {
-            float *pg = p + g * Lp;
-            float mx = pg[0];
-            for (int64_t l = 1; l < L; l++) mx = pg[l] > mx ? pg[l] : mx;
-            for (int64_t l = L; l < Lp; l++) pg[l] = mx - 1000.0f;  /* exp underflows to ~0 */
-            __m256 mxv = _mm256_set1_ps(mx);
-            for (int64_t l = 0; l < Lp; l += 8)
-                _mm256_storeu_ps(pg + l, exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + l), mxv)));
-            float sum = 0.0f;
-            for (int64_t l = 0; l < L; l++) sum += pg[l];  /* padding lanes left out exactly */
-            float inv = 1.0f / sum;
-            float *o = out + (b * H + hk * G + g) * D;
-            int64_t d0 = 0;
-            for (; d0 + 64 <= D; d0 += 64) {
-                __m256 acc[8];
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-                for (int64_t l = 0; l < L; l++) {
-                    const float *vr = vc + off[l] + d0;
-                    __m256 w = _mm256_set1_ps(pg[l]);
-                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * i), acc[i]);
-                }
-                for (int i = 0; i < 8; i++)
-                    _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
-            }
-            for (; d0 < D; d0 += 8) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t l = 0; l < L; l++)
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[l]), _mm256_loadu_ps(vc + off[l] + d0), acc);
-                _mm256_storeu_ps(o + d0, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
-            }
-        }
-        free(p);
-    }
+#define PAGED_DECODE_ATTENTION(NAME, T, LOAD)                                                             \
+void NAME(const float *q, const T *kc, const T *vc, const int64_t *tables,                                \
+          const int64_t *ctx, float *out, int64_t B, int64_t H, int64_t Hkv,                              \
+          int64_t D, int64_t bs, int64_t max_nb, float scale) {                                           \
+    int64_t G = H / Hkv, row = Hkv * D;                                                                   \
+    _Pragma("omp parallel for schedule(dynamic)")                                                         \
+    for (int64_t task = 0; task < B * Hkv; task++) {                                                      \
+        int64_t b = task / Hkv, hk = task % Hkv, L = ctx[b];                                              \
+        const int64_t *table = tables + b * max_nb;                                                       \
+        int64_t Lp = (L + 7) & ~(int64_t)7;                                                               \
+        float *p = (float *)malloc(sizeof(float) * G * Lp + sizeof(int64_t) * Lp);                        \
+        int64_t *off = (int64_t *)(p + G * Lp);                                                           \
+        for (int64_t l = 0, blk = 0; l < L; blk++)                                                        \
+            for (int64_t i = 0; i < bs && l < L; i++, l++) off[l] = (table[blk] * bs + i) * row + hk * D; \
+        for (int64_t l = L; l < Lp; l++) off[l] = off[0];                                                 \
+        const float *qb = q + (b * H + hk * G) * D;                                                       \
+        for (int64_t l0 = 0; l0 < L; l0 += 8) {                                                           \
+            int64_t n = L - l0 < 8 ? L - l0 : 8;                                                          \
+            const T *kr[8];                                                                               \
+            for (int64_t i = 0; i < 8; i++) kr[i] = kc + off[l0 + i];                                     \
+            for (int64_t g = 0; g < G; g++) {                                                             \
+                const float *qg = qb + g * D;                                                             \
+                __m256 a[8];                                                                              \
+                for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();                                   \
+                for (int64_t d = 0; d < D; d += 8) {                                                      \
+                    __m256 qv = _mm256_loadu_ps(qg + d);                                                  \
+                    for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, LOAD(kr[i] + d), a[i]);        \
+                }                                                                                         \
+                for (int64_t i = 0; i < n; i++) p[g * Lp + l0 + i] = hsum(a[i]) * scale;                  \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int64_t g = 0; g < G; g++) {                                                                 \
+            float *pg = p + g * Lp;                                                                       \
+            float mx = pg[0];                                                                             \
+            for (int64_t l = 1; l < L; l++) mx = pg[l] > mx ? pg[l] : mx;                                 \
+            for (int64_t l = L; l < Lp; l++) pg[l] = mx - 1000.0f;  /* exp underflows to ~0 */            \
+            __m256 mxv = _mm256_set1_ps(mx);                                                              \
+            for (int64_t l = 0; l < Lp; l += 8)                                                           \
+                _mm256_storeu_ps(pg + l, exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + l), mxv)));            \
+            float sum = 0.0f;                                                                             \
+            for (int64_t l = 0; l < L; l++) sum += pg[l];  /* padding lanes left out exactly */           \
+            float inv = 1.0f / sum;                                                                       \
+            float *o = out + (b * H + hk * G + g) * D;                                                    \
+            int64_t d0 = 0;                                                                               \
+            for (; d0 + 64 <= D; d0 += 64) {                                                              \
+                __m256 acc[8];                                                                            \
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();                                 \
+                for (int64_t l = 0; l < L; l++) {                                                         \
+                    const T *vr = vc + off[l] + d0;                                                       \
+                    __m256 w = _mm256_set1_ps(pg[l]);                                                     \
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, LOAD(vr + 8 * i), acc[i]);    \
+                }                                                                                         \
+                for (int i = 0; i < 8; i++)                                                               \
+                    _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));         \
+            }                                                                                             \
+            for (; d0 < D; d0 += 8) {                                                                     \
+                __m256 acc = _mm256_setzero_ps();                                                         \
+                for (int64_t l = 0; l < L; l++)                                                           \
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[l]), LOAD(vc + off[l] + d0), acc);            \
+                _mm256_storeu_ps(o + d0, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));                        \
+            }                                                                                             \
+        }                                                                                                 \
+        free(p);                                                                                          \
+    }                                                                                                     \
 }
+
+#define LOAD_F32(ptr) _mm256_loadu_ps(ptr)
+#define LOAD_F16(ptr) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ptr)))
+PAGED_DECODE_ATTENTION(paged_decode_attention, float, LOAD_F32)
+PAGED_DECODE_ATTENTION(paged_decode_attention_f16, uint16_t, LOAD_F16)
 
 /* gu: [M, 2I] (gate columns, then up columns) -> out: [M, I] = silu(gate) * up. */
 void silu_mul(const float *gu, float *out, int64_t M, int64_t I) {
@@ -295,7 +302,7 @@ def _cpu_has_avx2_fma() -> bool:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return " avx2" in flags and " fma" in flags
+    return " avx2" in flags and " fma" in flags and " f16c" in flags
 
 
 def _build(cache_dir: Path) -> Path:
@@ -314,7 +321,7 @@ def _build(cache_dir: Path) -> Path:
         out = Path(tmp) / so.name
         # Link torch's own libgomp when it ships one, so there is a single OpenMP runtime.
         gomp = ["-L", str(torch_lib), f"-Wl,-rpath,{torch_lib}"] if (torch_lib / "libgomp.so.1").exists() else []
-        cmd = [cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(out), *gomp, "-lm"]
+        cmd = [cc, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(out), *gomp, "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         out.replace(so)  # atomic: concurrent builders never see a half-written library
     return so
@@ -334,8 +341,10 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(so))
         lib.int8_linear.restype = None
         lib.int8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        lib.paged_decode_attention.restype = None
-        lib.paged_decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        for name in ("paged_decode_attention", "paged_decode_attention_f16"):
+            fn = getattr(lib, name)
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
         lib.silu_mul.restype = None
         lib.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.argmax_rows.restype = None
@@ -408,12 +417,13 @@ def add_rmsnorm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor | None, w
 
 def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                            tables: torch.Tensor, ctx: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: float32 [B, H, D]; cache_k/v: float32 contiguous [num_blocks, bs, Hkv, D];
-    tables: int64 [B, max_nb]; ctx: int64 [B] context lengths (>= 1) -> [B, H, D]."""
+    """q: float32 [B, H, D]; cache_k/v: float32 or float16, contiguous [num_blocks, bs, Hkv, D];
+    tables: int64 [B, max_nb]; ctx: int64 [B] context lengths (>= 1) -> float32 [B, H, D]."""
     q = q.contiguous()
     b, h, d = q.shape
     _, bs, hkv, _ = cache_k.shape
     out = torch.empty_like(q)
-    lib.paged_decode_attention(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), tables.data_ptr(),
-                               ctx.data_ptr(), out.data_ptr(), b, h, hkv, d, bs, tables.shape[1], scale)
+    fn = lib.paged_decode_attention_f16 if cache_k.dtype == torch.float16 else lib.paged_decode_attention
+    fn(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), tables.data_ptr(),
+       ctx.data_ptr(), out.data_ptr(), b, h, hkv, d, bs, tables.shape[1], scale)
     return out

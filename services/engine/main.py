@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default="none", help="none | int8 (weight-only)")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="float32 | float16 | bfloat16 for the KV cache (default: --dtype); float16"
+                        " halves its memory and what decode attention reads")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (default: all cores available)")
     p.add_argument("--max-concurrency", type=int, default=64)
@@ -71,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             model_path=a.model_path or default_model_path(), model_name=a.model_name,
             version=a.version, host=a.host, port=a.port,
             metrics_port=a.metrics_port, device=a.device,
-            dtype=a.dtype, quantization=a.quantization, threads=a.threads,
+            dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+            threads=a.threads,
             max_concurrency=a.max_concurrency, max_waiting=a.max_waiting,
             max_batched_tokens=a.max_batched_tokens, itl_target_ms=a.itl_target_ms,
             block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
@@ -99,7 +103,8 @@ def build_core(config: EngineConfig) -> EngineCore:
     log.info("model_loading", path=str(config.model_path), device=config.device, dtype=config.dtype)
     runner = ModelRunner(
         config.model_path, device=config.device, dtype=config.dtype,
-        quantization=config.quantization, block_size=config.block_size,
+        quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
+        block_size=config.block_size,
         kv_cache_bytes=config.kv_cache_mb * 2**20 if config.kv_cache_mb else None,
         max_num_seqs=config.max_concurrency, progress=progress, num_threads=config.threads)
     tokenizer = load_model_tokenizer(config.model_path)

@@ -49,3 +49,19 @@ def test_rows_ignore_padding_beyond_their_context(lib):
     both = _decode(q, cache_k, cache_v, scattered_decodes([3, 90], 8, 32), 0.125, 2, lib)
     alone = _decode(q[:1], cache_k, cache_v, scattered_decodes([3], 8, 32), 0.125, 2, lib)
     assert torch.equal(both[:1], alone)
+
+
+@pytest.mark.parametrize("ctx_lens", [[2], [5, 17, 100, 33]])
+def test_float16_cache_kernel_matches_torch_on_the_same_cache(lib, ctx_lens):
+    """K/V stored as float16 (--kv-cache-dtype float16): the kernel converts as it loads and
+    equals torch attending over the same float16 values."""
+    g = torch.Generator().manual_seed(7)
+    bs, nblk, hkv, group, d = 16, 64, 3, 3, 64
+    cache_k = torch.randn(nblk, bs, hkv, d, generator=g).half()
+    cache_v = torch.randn(nblk, bs, hkv, d, generator=g).half()
+    meta = scattered_decodes(ctx_lens, bs, nblk)
+    q = torch.randn(len(ctx_lens), hkv * group, d, generator=g) * 3
+    fast = _decode(q, cache_k, cache_v, meta, d ** -0.5, group, lib)
+    ref = _decode(q, cache_k.float(), cache_v.float(), meta, d ** -0.5, group, None)
+    assert fast.dtype == torch.float32
+    assert torch.allclose(fast, ref, atol=2e-5, rtol=1e-4)

@@ -108,3 +108,34 @@ def test_reduced_precision_runners_mostly_agree_with_float32(tmp_path, dtype, qu
     prompt = [(i * 11) % tm.VOCAB for i in range(20)]
     a, b = greedy(ref, prompt, 16), greedy(other, prompt, 16)
     assert a[:4] == b[:4]
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_float16_kv_cache_mostly_agrees_and_holds_twice_the_blocks(tmp_path, kernels):
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(4))
+    ref = ModelRunner(path, kv_cache_bytes=1 << 20, num_threads=1)
+    half = ModelRunner(path, kv_cache_bytes=1 << 20, kv_cache_dtype="float16", num_threads=1,
+                       kernels=kernels)
+    assert half.kv.k[0].dtype == torch.float16 and half.kv_cache_dtype == "float16"
+    assert half.num_blocks == 2 * ref.num_blocks
+    prompt = [(i * 11) % tm.VOCAB for i in range(40)]  # > 2 blocks: decodes read several
+    a, b = greedy(ref, prompt, 16), greedy(half, prompt, 16)
+    assert a[:4] == b[:4]
+
+
+def test_unknown_kv_cache_dtype_is_refused(tmp_path):
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(4))
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        ModelRunner(path, num_blocks=8, kv_cache_dtype="int4")
+
+
+def test_float16_kv_cache_chunked_prefill_reads_the_cache(tmp_path):
+    """A prompt prefilled in two chunks attends to the first chunk's float16 K/V."""
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(4))
+    runner = ModelRunner(path, num_blocks=16, kv_cache_dtype="float16", num_threads=1)
+    prompt = [(i * 7) % tm.VOCAB for i in range(24)]
+    g = SamplingParams()
+    whole = runner.execute(Batch([SeqChunk(1, prompt, 0, [0, 1], True, g)])).sampled[1].token_id
+    runner.execute(Batch([SeqChunk(2, prompt[:10], 0, [2, 3], False, g)]))
+    chunked = runner.execute(Batch([SeqChunk(2, prompt[10:], 10, [2, 3], True, g)])).sampled[2].token_id
+    assert chunked == whole
