@@ -50,7 +50,8 @@ static inline float hsum(__m256 v) {
    MR rows at once. y[m, n] is one FMA chain over k = 0..K-1 in order, then times scale[n], in
    every tile shape: a row's result is bit-identical whatever M is and whatever tile computed
    it (a sequence's logits do not depend on the rest of the batch). Tiles of NB blocks x MR
-   rows keep NB * MR = 12 accumulators in registers. */
+   rows keep NB * MR = 12 accumulators in registers; for a few rows (decodes) converting
+   each weight as it is used is cheapest. */
 #define UNROLL _Pragma("GCC unroll 12")
 #define PTILE(NB, MR)                                                                       \
 static inline void ptile_##NB##x##MR(const float *x, const int8_t *p, const float *scale,  \
@@ -83,25 +84,91 @@ static inline void ptile_##NB##x##MR(const float *x, const int8_t *p, const floa
         }                                                                                   \
     }                                                                                       \
 }
-PTILE(1, 12)
 PTILE(2, 6)
 PTILE(3, 4)
 PTILE(4, 3)
 PTILE(6, 2)
 PTILE(12, 1)
 
+/* The same products for many rows: two blocks' weights are converted to a float panel
+   [K][16] once (L1/L2-resident) and shared by every 6-row tile, so the inner loop is two
+   aligned loads, 6 broadcasts and 12 FMAs per k. Same FMA chain per output as the tiles
+   above: the results are bit-identical to them. */
+#define FTILE(MR)                                                                           \
+static inline void ftile_##MR(const float *x, const float *w, const float *scale, float *y, \
+                              int64_t m0, int64_t n0, int64_t N, int64_t K) {               \
+    __m256 a0[MR], a1[MR];                                                                  \
+    UNROLL for (int j = 0; j < MR; j++) a0[j] = a1[j] = _mm256_setzero_ps();                \
+    const float *xr = x + m0 * K;                                                           \
+    for (int64_t k = 0; k < K; k++) {                                                       \
+        __m256 w0 = _mm256_load_ps(w + k * 16), w1 = _mm256_load_ps(w + k * 16 + 8);        \
+        UNROLL for (int j = 0; j < MR; j++) {                                               \
+            __m256 xv = _mm256_broadcast_ss(xr + j * K + k);                                \
+            a0[j] = _mm256_fmadd_ps(w0, xv, a0[j]);                                         \
+            a1[j] = _mm256_fmadd_ps(w1, xv, a1[j]);                                         \
+        }                                                                                   \
+    }                                                                                       \
+    __m256 s0 = _mm256_loadu_ps(scale + n0), s1 = _mm256_loadu_ps(scale + n0 + 8);          \
+    UNROLL for (int j = 0; j < MR; j++) {                                                   \
+        float *yr = y + (m0 + j) * N + n0;                                                  \
+        float t[16];                                                                        \
+        _mm256_storeu_ps(t, _mm256_mul_ps(a0[j], s0));                                      \
+        _mm256_storeu_ps(t + 8, _mm256_mul_ps(a1[j], s1));                                  \
+        for (int64_t i = 0; i < 16 && n0 + i < N; i++) yr[i] = t[i];                        \
+    }                                                                                       \
+}
+FTILE(6)
+FTILE(5)
+FTILE(4)
+FTILE(3)
+FTILE(2)
+FTILE(1)
+
+static void int8_linear_panels(const float *x, const int8_t *p, const float *scale, float *y,
+                               int64_t M, int64_t N, int64_t K) {
+    int64_t groups = (N + 95) / 96;
+    #pragma omp parallel
+    {
+        float *w = (float *)aligned_alloc(32, sizeof(float) * 16 * K);
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            for (int64_t b = g * 12; b < g * 12 + 12; b += 2) {
+                if (b * 8 >= N) break;
+                for (int64_t k = 0; k < K; k++) {
+                    _mm256_store_ps(w + k * 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(p + (b * K + k) * 8)))));
+                    _mm256_store_ps(w + k * 16 + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(p + ((b + 1) * K + k) * 8)))));
+                }
+                int64_t m = 0;
+                for (; m + 6 <= M; m += 6) ftile_6(x, w, scale, y, m, b * 8, N, K);
+                switch (M - m) {
+                    case 5: ftile_5(x, w, scale, y, m, b * 8, N, K); break;
+                    case 4: ftile_4(x, w, scale, y, m, b * 8, N, K); break;
+                    case 3: ftile_3(x, w, scale, y, m, b * 8, N, K); break;
+                    case 2: ftile_2(x, w, scale, y, m, b * 8, N, K); break;
+                    case 1: ftile_1(x, w, scale, y, m, b * 8, N, K); break;
+                }
+            }
+        }
+        free(w);
+    }
+}
+
 /* x: float32 [M, K]; p: packed int8, ceil(N / 96) * 12 blocks (zero-padded); scale: float32,
    padded like p; y: float32 [M, N]. Groups of 12 blocks (96 channels) are split across the
-   OpenMP team; inside a group, 12-row tiles, then the 1..11 remaining rows in tiles that
-   keep 12 accumulators busy. */
+   OpenMP team. From 12 rows on, the float panels above; below that, the int8 tiles straight
+   from the packed weights (6, 4, 3, 2 or 1 rows at a time, 12 accumulators each). */
 void int8_linear(const float *x, const int8_t *p, const float *scale, float *y,
                  int64_t M, int64_t N, int64_t K) {
+    if (M >= 12) {
+        int8_linear_panels(x, p, scale, y, M, N, K);
+        return;
+    }
     int64_t groups = (N + 95) / 96;
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         int64_t b0 = g * 12, m = 0;
-        for (; m + 12 <= M; m += 12)
-            for (int64_t b = 0; b < 12; b++) ptile_1x12(x, p, scale, y, m, b0 + b, N, K);
         if (M - m >= 6) {
             for (int64_t b = 0; b < 12; b += 2) ptile_2x6(x, p, scale, y, m, b0 + b, N, K);
             m += 6;

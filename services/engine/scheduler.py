@@ -7,8 +7,9 @@ chunked prefill, decode (1 token) and recompute after preemption under one rule.
 
 Inter-token latency target (`itl_target_s`): while sequences are decoding, the prompt
 tokens computed in the same step are limited to what the learned step costs say fits in
-the target (at least MIN_PREFILL_CHUNK, so prompts always progress). Decoding streams then
-stall for one short chunk, not a whole budget's worth of prompt, when others arrive.
+the target (at least MIN_PREFILL_CHUNK, and half a decode step's worth when the decodes
+alone overrun the target, so prompts always progress). Decoding streams then stall for one
+short chunk, not a whole budget's worth of prompt, when others arrive.
 
 Policies:
 - priority: higher `priority` is scheduled, admitted and kept first; when KV blocks run
@@ -85,10 +86,13 @@ class StepCosts:
 
     def prompt_tokens_within(self, seconds: float) -> int | None:
         """Prompt tokens a step with the current decodes can add and stay within `seconds`;
+        when the decodes alone take longer than that, prompts still get half a decode step's
+        worth (a third of each step), so new requests are not starved under overload.
         None until both costs are known."""
         if self.decode_step is None or self.per_prompt_token is None:
             return None
-        return int((seconds - self.decode_step) / self.per_prompt_token)
+        room = max(seconds - self.decode_step, self.decode_step / 2)
+        return int(room / self.per_prompt_token)
 
     def _avg(self, old: float | None, new: float) -> float:
         return new if old is None else old + self._WEIGHT * (new - old)

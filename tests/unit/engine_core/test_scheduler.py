@@ -95,20 +95,35 @@ def test_itl_target_limits_prompt_tokens_beside_decodes():
 
 
 def test_itl_target_never_starves_prompts():
-    """Decodes alone over the target: prompts still get MIN_PREFILL_CHUNK tokens a step."""
+    """Decodes alone (200 ms) over the 50 ms target: prompts still get half a decode step's
+    worth, 100 tokens at 1 ms each, every step."""
     sched, runner = make(num_blocks=512, max_num_batched_tokens=256, itl_target_s=0.05)
     runner.cost = lambda decode_rows, prompt_tokens: (0.2 if decode_rows else 0.0) + 0.001 * prompt_tokens
     sched.add(make_seq(1, 10, max_tokens=500))
     step(sched, runner)
     step(sched, runner)
-    late = make_seq(2, 200, max_tokens=1)
+    late = make_seq(2, 350, max_tokens=1)
     sched.add(late)
-    step(sched, runner)  # learns the prompt cost
     sizes = []
     while not late.finished:
         batch = step(sched, runner)
         sizes += [len(c.token_ids) for c in batch.chunks if c.seq_id == 2]
-    assert sizes and all(n == MIN_PREFILL_CHUNK for n in sizes[:-1])
+    assert sizes == [100, 100, 100, 50]
+
+
+def test_itl_target_gives_prompts_at_least_a_minimum_chunk():
+    sched, runner = make(num_blocks=512, max_num_batched_tokens=256, itl_target_s=0.05)
+    runner.cost = lambda decode_rows, prompt_tokens: (0.04 if decode_rows else 0.0) + 0.01 * prompt_tokens
+    sched.add(make_seq(1, 10, max_tokens=500))
+    step(sched, runner)
+    step(sched, runner)
+    late = make_seq(2, 100, max_tokens=1)
+    sched.add(late)
+    sizes = []
+    while not late.finished:
+        batch = step(sched, runner)
+        sizes += [len(c.token_ids) for c in batch.chunks if c.seq_id == 2]
+    assert sizes == [MIN_PREFILL_CHUNK] * 3 + [100 - 3 * MIN_PREFILL_CHUNK]
 
 
 def test_without_decodes_or_target_the_budget_is_the_only_limit():
@@ -128,6 +143,7 @@ def test_step_costs_learn_from_timings():
     assert c.prompt_tokens_within(0.1) is None  # decode cost still unknown
     c.observe(decode_rows=8, prompt_tokens=0, seconds=0.05)
     assert c.prompt_tokens_within(0.1) == 25
+    assert c.prompt_tokens_within(0.01) == 12  # over the target: half a decode step of prompt
     c.observe(decode_rows=8, prompt_tokens=10, seconds=0.0)  # no timing: ignored
     assert c.prompt_tokens_within(0.1) == 25
 
