@@ -266,6 +266,17 @@ def median_runs(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
+def measure(peer: str, run, loads: dict[str, list[list[int]]], runs: int, new_tokens: int) -> dict:
+    """run(prompts, new_tokens) -> summary; a 4-token warm-up, then each workload `runs`
+    times, keeping the medians."""
+    run(next(iter(loads.values()))[:1], 4)
+    out = {}
+    for name, prompts in loads.items():
+        out[name] = median_runs([run(prompts, new_tokens) for _ in range(runs)])
+        print(peer, name, _fmt(out[name]), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
@@ -294,13 +305,9 @@ def main(argv=None) -> int:
         eng = Engine(["--max-concurrency", str(max(64, *conc)), *a.engine_arg], log_path)
         try:
             eng.wait()
-            asyncio.run(run_tokenserve(eng.target, loads[f"c{conc[0]}"][:1], 4))  # warm-up
-            results["tokenserve"] = {}
-            for name, prompts in loads.items():
-                runs = [asyncio.run(run_tokenserve(eng.target, prompts, a.new_tokens))
-                        for _ in range(a.runs)]
-                results["tokenserve"][name] = median_runs(runs)
-                print("tokenserve", name, _fmt(results["tokenserve"][name]), flush=True)
+            results["tokenserve"] = measure(
+                "tokenserve", lambda ps, n: asyncio.run(run_tokenserve(eng.target, ps, n)),
+                loads, a.runs, a.new_tokens)
         finally:
             eng.stop()
     if a.llama_server:
@@ -309,13 +316,9 @@ def main(argv=None) -> int:
         srv = LlamaServer(a.llama_server, max(conc), ctx, log_path)
         try:
             srv.wait()
-            asyncio.run(run_llama_server(srv.port, loads[f"c{conc[0]}"][:1], 4))  # warm-up
-            results["llama.cpp-server"] = {}
-            for name, prompts in loads.items():
-                runs = [asyncio.run(run_llama_server(srv.port, prompts, a.new_tokens))
-                        for _ in range(a.runs)]
-                results["llama.cpp-server"][name] = median_runs(runs)
-                print("llama.cpp-server", name, _fmt(results["llama.cpp-server"][name]), flush=True)
+            results["llama.cpp-server"] = measure(
+                "llama.cpp-server", lambda ps, n: asyncio.run(run_llama_server(srv.port, ps, n)),
+                loads, a.runs, a.new_tokens)
         finally:
             srv.stop()
     for peer in peers:
@@ -324,12 +327,8 @@ def main(argv=None) -> int:
         import torch
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         model = load_transformers(peer.split("-", 1)[1])
-        run_transformers(model, loads[f"c{conc[0]}"][:1], 4)  # warm-up
-        results[peer] = {}
-        for name, prompts in loads.items():
-            runs = [run_transformers(model, prompts, a.new_tokens) for _ in range(a.runs)]
-            results[peer][name] = median_runs(runs)
-            print(peer, name, _fmt(results[peer][name]), flush=True)
+        results[peer] = measure(peer, lambda ps, n: run_transformers(model, ps, n),
+                                loads, a.runs, a.new_tokens)
         del model
 
     report = {"benchmark": "engine_concurrency", "when": datetime.now(timezone.utc).isoformat(),

@@ -7,8 +7,8 @@ chunked prefill, decode (1 token) and recompute after preemption under one rule.
 
 Inter-token latency target (`itl_target_s`): while sequences are decoding, the prompt
 tokens computed in the same step are limited to what the learned step costs say fits in
-the target (at least MIN_PREFILL_CHUNK, and half a decode step's worth when the decodes
-alone overrun the target, so prompts always progress). Decoding streams then stall for one
+the target (at least MIN_PREFILL_CHUNK tokens and half the decodes' time, so prompts always
+progress). Decoding streams then stall for one
 short chunk, not a whole budget's worth of prompt, when others arrive.
 
 Policies:
@@ -86,8 +86,8 @@ class StepCosts:
 
     def prompt_tokens_within(self, seconds: float) -> int | None:
         """Prompt tokens a step with the current decodes can add and stay within `seconds`;
-        when the decodes alone take longer than that, prompts still get half a decode step's
-        worth (a third of each step), so new requests are not starved under overload.
+        and at least half as long as the decodes take (a third of each step), so new requests
+        are not starved when the decodes alone use up the target.
         None until both costs are known."""
         if self.decode_step is None or self.per_prompt_token is None:
             return None

@@ -8,14 +8,6 @@ import torch.nn.functional as F
 from services.engine import cpu_kernels
 
 
-@pytest.fixture(scope="module")
-def lib():
-    lib = cpu_kernels.load()
-    if lib is None:
-        pytest.skip("no AVX2/FMA or no compiler here: torch ops are used instead")
-    return lib
-
-
 @pytest.mark.parametrize("vocab", [1, 5, 8, 13, 49152])
 def test_argmax_rows_follows_torch_rules(lib, vocab):
     g = torch.Generator().manual_seed(vocab)

@@ -4,16 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import cpu_kernels
 from services.engine.attention import _decode, build_metadata
-
-
-@pytest.fixture(scope="module")
-def lib():
-    lib = cpu_kernels.load()
-    if lib is None:
-        pytest.skip("kernel unavailable here")
-    return lib
 
 
 def scattered_decodes(ctx_lens: list[int], block_size: int, num_blocks: int):

@@ -94,36 +94,33 @@ def test_itl_target_limits_prompt_tokens_beside_decodes():
     assert late.output_token_ids == reference_output(late.prompt_token_ids, 1)
 
 
-def test_itl_target_never_starves_prompts():
-    """Decodes alone (200 ms) over the 50 ms target: prompts still get half a decode step's
-    worth, 100 tokens at 1 ms each, every step."""
-    sched, runner = make(num_blocks=512, max_num_batched_tokens=256, itl_target_s=0.05)
-    runner.cost = lambda decode_rows, prompt_tokens: (0.2 if decode_rows else 0.0) + 0.001 * prompt_tokens
+def late_prompt_chunks(sched, runner, prompt_len: int) -> list[int]:
+    """Starts one decoding sequence, then adds a prompt of prompt_len tokens; the chunk sizes
+    that prompt is prefilled in."""
     sched.add(make_seq(1, 10, max_tokens=500))
     step(sched, runner)
     step(sched, runner)
-    late = make_seq(2, 350, max_tokens=1)
+    late = make_seq(2, prompt_len, max_tokens=1)
     sched.add(late)
     sizes = []
     while not late.finished:
         batch = step(sched, runner)
         sizes += [len(c.token_ids) for c in batch.chunks if c.seq_id == 2]
-    assert sizes == [100, 100, 100, 50]
+    return sizes
+
+
+def test_itl_target_never_starves_prompts():
+    """Decodes alone (200 ms) over the 50 ms target: prompts still get half as long as the
+    decodes, 100 tokens at 1 ms each, every step."""
+    sched, runner = make(num_blocks=512, max_num_batched_tokens=256, itl_target_s=0.05)
+    runner.cost = lambda decode_rows, prompt_tokens: (0.2 if decode_rows else 0.0) + 0.001 * prompt_tokens
+    assert late_prompt_chunks(sched, runner, 450) == [100, 100, 100, 100, 50]
 
 
 def test_itl_target_gives_prompts_at_least_a_minimum_chunk():
     sched, runner = make(num_blocks=512, max_num_batched_tokens=256, itl_target_s=0.05)
     runner.cost = lambda decode_rows, prompt_tokens: (0.04 if decode_rows else 0.0) + 0.01 * prompt_tokens
-    sched.add(make_seq(1, 10, max_tokens=500))
-    step(sched, runner)
-    step(sched, runner)
-    late = make_seq(2, 100, max_tokens=1)
-    sched.add(late)
-    sizes = []
-    while not late.finished:
-        batch = step(sched, runner)
-        sizes += [len(c.token_ids) for c in batch.chunks if c.seq_id == 2]
-    assert sizes == [MIN_PREFILL_CHUNK] * 3 + [100 - 3 * MIN_PREFILL_CHUNK]
+    assert late_prompt_chunks(sched, runner, 100) == [MIN_PREFILL_CHUNK] * 3 + [100 - 3 * MIN_PREFILL_CHUNK]
 
 
 def test_without_decodes_or_target_the_budget_is_the_only_limit():
