@@ -26,32 +26,39 @@ class Int8Linear:
     """Symmetric int8 weights, one float32 scale per output row: w ~= q * scale[:, None].
 
     With the AVX2 kernel (cpu_kernels.int8_linear) every call, decode batch or prefill chunk,
-    reads the packed int8 weights directly: 1 byte per weight, each converted weight vector
-    used by up to 6 rows, and a row's result bit-identical whatever else is in the batch.
-    Without it (no AVX2, no compiler, not a CPU tensor): dequantize per call and use the
-    float GEMM.
+    reads the packed int8 weights (the only copy kept): 1 byte per weight, and a row's result
+    bit-identical whatever else is in the batch. Without it (no AVX2, no compiler, not a CPU
+    tensor): dequantize per call and use the float GEMM.
     """
 
-    __slots__ = ("qweight", "scale", "out_dtype", "out_features", "_packed", "_packed_scale", "_lib")
+    __slots__ = ("scale", "out_dtype", "out_features", "_qweight", "_packed", "_packed_scale", "_lib")
 
     def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype, kernels: bool = True):
         w = weight.float()
         self.out_features = w.shape[0]
         self.scale = (w.abs().amax(dim=1).clamp(min=1e-8) / 127.0).contiguous()  # [out]
-        self.qweight = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         self.out_dtype = out_dtype
-        usable = self.qweight.device.type == "cpu"
-        self._lib = cpu_kernels.load() if usable and kernels else None
-        self._packed = self._packed_scale = None
+        self._lib = cpu_kernels.load() if q.device.type == "cpu" and kernels else None
+        self._qweight = self._packed = self._packed_scale = None
         if self._lib is not None:
-            self._packed, self._packed_scale = cpu_kernels.pack_int8(self.qweight, self.scale)
+            self._packed, self._packed_scale = cpu_kernels.pack_int8(q, self.scale)
+        else:
+            self._qweight = q
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The int8 [out, in] matrix."""
+        if self._packed is not None:
+            return cpu_kernels.unpack_int8(self._packed, self.out_features)
+        return self._qweight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._lib is not None:
             y = cpu_kernels.int8_linear(self._lib, x.float(), self._packed, self._packed_scale,
                                         self.out_features)
             return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
-        w = self.qweight.to(x.dtype)
+        w = self._qweight.to(x.dtype)
         return F.linear(x, w) * self.scale.to(x.dtype)
 
 

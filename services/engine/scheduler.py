@@ -8,8 +8,8 @@ chunked prefill, decode (1 token) and recompute after preemption under one rule.
 Inter-token latency target (`itl_target_s`): while sequences are decoding, the prompt
 tokens computed in the same step are limited to what the learned step costs say fits in
 the target (at least MIN_PREFILL_CHUNK tokens and half the decodes' time, so prompts always
-progress). Decoding streams then stall for one
-short chunk, not a whole budget's worth of prompt, when others arrive.
+progress). Decoding streams then stall for one short chunk, not a whole budget's worth of
+prompt, when others arrive.
 
 Policies:
 - priority: higher `priority` is scheduled, admitted and kept first; when KV blocks run
@@ -85,10 +85,10 @@ class StepCosts:
                 self.per_prompt_token = self._avg(self.per_prompt_token, extra / prompt_tokens)
 
     def prompt_tokens_within(self, seconds: float) -> int | None:
-        """Prompt tokens a step with the current decodes can add and stay within `seconds`;
-        and at least half as long as the decodes take (a third of each step), so new requests
-        are not starved when the decodes alone use up the target.
-        None until both costs are known."""
+        """Prompt tokens a step with the current decodes can add and stay within `seconds`,
+        but at least half the decodes' time's worth (a third of the step), so new requests
+        are not starved when the decodes alone use up the target. None until both costs
+        are known."""
         if self.decode_step is None or self.per_prompt_token is None:
             return None
         room = max(seconds - self.decode_step, self.decode_step / 2)
