@@ -61,10 +61,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_service(port: int, workers: int, inline_chars: int) -> subprocess.Popen:
+def start_service(port: int, workers: int) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.tokenizer", "--port", str(port), "--metrics-port", "-1",
-         "--workers", str(workers), "--inline-chars", str(inline_chars), "--preload", "--log-level", "warning"], cwd=ROOT,
+         "--workers", str(workers), "--preload", "--log-level", "warning"], cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -159,15 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--singles", type=int, default=300)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--inline-chars", type=int, default=2048)
+    p.add_argument("--workers", type=int, default=4)
     a = p.parse_args(argv)
     started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     prompts = code_prompts(a.singles + a.batch)
     singles, batch = prompts[:a.singles], prompts[a.singles:]
     backend = load_model_tokenizer(default_model_path()).backend
     port = free_port()
-    proc = start_service(port, a.workers, a.inline_chars)
+    proc = start_service(port, a.workers)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = tokenizer_pb2_grpc.TokenizerServiceStub(ch)
@@ -192,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     summary = {
         "benchmark": "tokenizer", "started": started, "runs": a.runs, "singles": a.singles,
-        "batch": a.batch, "workers": a.workers, "inline_chars": a.inline_chars, "prompt_bytes": 1024,
+        "batch": a.batch, "workers": a.workers, "prompt_bytes": 1024,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_avg_at_end": os.getloadavg()},
         "note": "shared 2-core machine with other engineers' jobs running; compare ratios",

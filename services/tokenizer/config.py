@@ -23,11 +23,9 @@ class TokenizerConfig:
     max_text_bytes: int = 1024 * 1024
     # Most inputs in one batch call.
     max_batch_items: int = 1024
-    # Threads that run encode/decode off the asyncio loop.
-    workers: int = 2
-    # A single text up to this many characters is encoded on the loop (0: never); below a few
-    # KB the executor's thread hops cost more than the encoding (~0.3 ms per KB).
-    inline_chars: int = 2048
+    # gRPC handler threads: requests encoded or decoded at once (the library's batch calls
+    # release the GIL and spread a batch over the cores themselves).
+    workers: int = 4
     # Load every configured tokenizer before reporting SERVING (instead of on first use).
     preload: bool = False
     # etcd endpoints ("host:port"); models under /tokenserve/v1/models/ are added when given.
@@ -43,8 +41,6 @@ class TokenizerConfig:
                 f"max_text_bytes must be in 1..{MAX_TEXT_BYTES_CEILING}, got {self.max_text_bytes}")
         if not 1 <= self.max_batch_items <= 100_000:
             raise ValueError(f"max_batch_items must be in 1..100000, got {self.max_batch_items}")
-        if not 0 <= self.inline_chars <= 65536:
-            raise ValueError(f"inline_chars must be in 0..65536, got {self.inline_chars}")
         if not 1 <= self.workers <= 64:
             raise ValueError(f"workers must be in 1..64, got {self.workers}")
         if not self.models and not self.etcd_endpoints:

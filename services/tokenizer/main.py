@@ -33,10 +33,8 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--max-text-bytes", type=int, default=1024 * 1024,
                    help="largest input (text, or all strings of a chat) in UTF-8 bytes")
     p.add_argument("--max-batch-items", type=int, default=1024)
-    p.add_argument("--workers", type=int, default=2, help="encode/decode threads")
-    p.add_argument("--inline-chars", type=int, default=2048,
-                   help="encode a single text up to this many characters on the event loop "
-                        "(cheaper than a thread hop); 0: always use the worker threads")
+    p.add_argument("--workers", type=int, default=4,
+                   help="request handler threads (requests encoded or decoded at once)")
     p.add_argument("--preload", action="store_true",
                    help="load every tokenizer before reporting SERVING")
     p.add_argument("--etcd-endpoints", default="",
@@ -56,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
             models=models, host=a.host, port=a.port,
             metrics_port=a.metrics_port,
             max_text_bytes=a.max_text_bytes, max_batch_items=a.max_batch_items,
-            workers=a.workers, inline_chars=a.inline_chars, preload=a.preload, etcd_endpoints=etcd,
+            workers=a.workers, preload=a.preload, etcd_endpoints=etcd,
             config_snapshot=Path(a.config_snapshot) if a.config_snapshot else None,
             log_level=a.log_level)
     except (ValueError, FileNotFoundError) as e:
@@ -65,11 +63,12 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
 
 async def serve(config: TokenizerConfig) -> None:
     log = configure_logging("tokenizer", config.log_level)
-    executor = ThreadPoolExecutor(config.workers, thread_name_prefix="tokenize")
+    # loads tokenizers (off the loop); requests run on the gRPC server's handler threads
+    executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
     registry = TokenizerRegistry(config.models, executor)
-    tokenization = Tokenization(registry, executor, max_text_bytes=config.max_text_bytes,
-                                max_batch_items=config.max_batch_items,
-                                inline_chars=config.inline_chars)
+    tokenization = Tokenization(registry, asyncio.get_running_loop(),
+                                max_text_bytes=config.max_text_bytes,
+                                max_batch_items=config.max_batch_items)
     on_stop = []
     watcher = None
     if config.etcd_endpoints:
@@ -88,7 +87,8 @@ async def serve(config: TokenizerConfig) -> None:
 
     server = GrpcServer(
         "tokenizer", [Registration(SERVICE_NAME, add_to_server, TokenizerServicer(tokenization))],
-        ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port),
+        ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
+                      handler_threads=config.workers),
         on_stop=on_stop)
     await server.start(serving=not config.preload)
     if config.preload:

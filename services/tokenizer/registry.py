@@ -36,6 +36,15 @@ class TokenizerRegistry:
         self._paths.pop(name, None)
         self._loaded.pop(name, None)
 
+    def get_blocking(self, name: str, loop: asyncio.AbstractEventLoop) -> ModelTokenizer:
+        """`get` from a thread other than the event loop's: a loaded tokenizer comes straight
+        from the cache; a first load runs (shared) on `loop` and this thread waits for it."""
+        path = self._path(name)
+        cached = self._loaded.get(name)
+        if cached is not None and cached[0] == path:
+            return cached[1]
+        return asyncio.run_coroutine_threadsafe(self.get(name), loop).result()
+
     async def get(self, name: str) -> ModelTokenizer:
         path = self._path(name)
         cached = self._loaded.get(name)

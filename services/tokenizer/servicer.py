@@ -1,4 +1,6 @@
-"""TokenizerService: protobuf <-> `Tokenization` calls, and the per-RPC metrics."""
+"""TokenizerService: protobuf <-> `Tokenization` calls, and the per-RPC metrics.
+
+Synchronous handlers: the service runs on a synchronous grpc server (see main)."""
 from __future__ import annotations
 
 import time
@@ -15,7 +17,7 @@ from tokenserve.tokenizer.v1 import tokenizer_pb2 as pb
 SERVICE_NAME = "tokenserve.tokenizer.v1.TokenizerService"
 
 
-def add_to_server(servicer: "TokenizerServicer", server: grpc.aio.Server) -> None:
+def add_to_server(servicer: "TokenizerServicer", server: grpc.Server) -> None:
     """Like the generated `add_TokenizerServiceServicer_to_server`, but requests with invalid
     UTF-8 reach the handler as `BadRequest` (INVALID_ARGUMENT naming the field) instead of
     failing inside grpc as INTERNAL."""
@@ -59,13 +61,13 @@ class TokenizerServicer:
     def __init__(self, tokenization: Tokenization):
         self.t = tokenization
 
-    async def _observe(self, method: str, request, handler):
+    def _observe(self, method: str, request, handler):
         start = time.perf_counter()
         code = "OK"
         try:
             if isinstance(request, BadRequest):
                 raise InvalidArgument(request.reason)
-            return await handler(request)
+            return handler(request)
         except ServiceError as exc:
             code = exc.code.name
             raise
@@ -76,62 +78,62 @@ class TokenizerServicer:
             metrics.REQUESTS.labels(method, code).inc()
             metrics.LATENCY.labels(method).observe(time.perf_counter() - start)
 
-    async def _encode(self, model: str, inputs: list[EncodeInput], batch: bool) -> list[Encoded]:
-        out = await self.t.encode(model, inputs, batch=batch)
+    def _encode(self, model: str, inputs: list[EncodeInput], batch: bool) -> list[Encoded]:
+        out = self.t.encode(model, inputs, batch=batch)
         metrics.TOKENS_ENCODED.labels(model).inc(sum(len(e.token_ids) for e in out))
         return out
 
-    async def Encode(self, request, context):
-        async def handle(req: pb.EncodeRequest):
-            (out,) = await self._encode(req.model, [_encode_input(req)], False)
+    def Encode(self, request, context):
+        def handle(req: pb.EncodeRequest):
+            (out,) = self._encode(req.model, [_encode_input(req)], False)
             return _encoded_pb(out)
-        return await self._observe("Encode", request, handle)
+        return self._observe("Encode", request, handle)
 
-    async def EncodeBatch(self, request, context):
-        async def handle(req: pb.EncodeBatchRequest):
+    def EncodeBatch(self, request, context):
+        def handle(req: pb.EncodeBatchRequest):
             _batch_model(req.model, req.requests)
-            out = await self._encode(req.model, [_encode_input(r) for r in req.requests], True)
+            out = self._encode(req.model, [_encode_input(r) for r in req.requests], True)
             return pb.EncodeBatchResponse(results=[_encoded_pb(e) for e in out])
-        return await self._observe("EncodeBatch", request, handle)
+        return self._observe("EncodeBatch", request, handle)
 
-    async def CountTokens(self, request, context):
-        async def handle(req: pb.EncodeRequest):
-            (out,) = await self._encode(req.model, [_encode_input(req)], False)
+    def CountTokens(self, request, context):
+        def handle(req: pb.EncodeRequest):
+            (out,) = self._encode(req.model, [_encode_input(req)], False)
             return pb.CountTokensResponse(count=len(out.token_ids))
-        return await self._observe("CountTokens", request, handle)
+        return self._observe("CountTokens", request, handle)
 
-    async def CountTokensBatch(self, request, context):
-        async def handle(req: pb.EncodeBatchRequest):
+    def CountTokensBatch(self, request, context):
+        def handle(req: pb.EncodeBatchRequest):
             _batch_model(req.model, req.requests)
-            out = await self._encode(req.model, [_encode_input(r) for r in req.requests], True)
+            out = self._encode(req.model, [_encode_input(r) for r in req.requests], True)
             return pb.CountTokensBatchResponse(counts=[len(e.token_ids) for e in out])
-        return await self._observe("CountTokensBatch", request, handle)
+        return self._observe("CountTokensBatch", request, handle)
 
-    async def _decode(self, model: str, inputs: list[DecodeInput], batch: bool) -> list[str]:
-        out = await self.t.decode(model, inputs, batch=batch)
+    def _decode(self, model: str, inputs: list[DecodeInput], batch: bool) -> list[str]:
+        out = self.t.decode(model, inputs, batch=batch)
         metrics.TOKENS_DECODED.labels(model).inc(sum(len(i.token_ids) for i in inputs))
         return out
 
-    async def Decode(self, request, context):
-        async def handle(req: pb.DecodeRequest):
-            (text,) = await self._decode(
+    def Decode(self, request, context):
+        def handle(req: pb.DecodeRequest):
+            (text,) = self._decode(
                 req.model, [DecodeInput(req.token_ids, req.skip_special_tokens)], False)
             return pb.DecodeResponse(text=text)
-        return await self._observe("Decode", request, handle)
+        return self._observe("Decode", request, handle)
 
-    async def DecodeBatch(self, request, context):
-        async def handle(req: pb.DecodeBatchRequest):
+    def DecodeBatch(self, request, context):
+        def handle(req: pb.DecodeBatchRequest):
             _batch_model(req.model, req.requests)
             inputs = [DecodeInput(r.token_ids, r.skip_special_tokens) for r in req.requests]
-            texts = await self._decode(req.model, inputs, True)
+            texts = self._decode(req.model, inputs, True)
             return pb.DecodeBatchResponse(results=[pb.DecodeResponse(text=t) for t in texts])
-        return await self._observe("DecodeBatch", request, handle)
+        return self._observe("DecodeBatch", request, handle)
 
-    async def GetTokenizerInfo(self, request, context):
-        async def handle(req: pb.GetTokenizerInfoRequest):
-            info = await self.t.info(req.model)
+    def GetTokenizerInfo(self, request, context):
+        def handle(req: pb.GetTokenizerInfoRequest):
+            info = self.t.info(req.model)
             return pb.GetTokenizerInfoResponse(
                 model=info.model, vocab_size=info.vocab_size, bos_token_id=info.bos_token_id,
                 eos_token_id=info.eos_token_id, special_token_ids=info.special_token_ids,
                 has_chat_template=info.has_chat_template, max_text_bytes=info.max_text_bytes)
-        return await self._observe("GetTokenizerInfo", request, handle)
+        return self._observe("GetTokenizerInfo", request, handle)

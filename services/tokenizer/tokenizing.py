@@ -1,17 +1,15 @@
-"""Encode / decode / count for named models: input checks, then the work off the asyncio loop.
+"""Encode / decode / count for named models: input checks, then the work.
 
-Plain dataclasses in and out (the servicer converts protobuf). One executor job per call, and
-texts go through `ModelTokenizer.encode_batch` even one at a time: the tokenizers library
-releases the GIL there (its single `encode` does not, which would stall the loop from the
-worker thread just the same). A single short text (`inline_chars`) is encoded on the loop
-itself: measured here, the executor's thread hops cost more than encoding a 1 KB prompt.
+Plain dataclasses in and out (the servicer converts protobuf). Called on the gRPC server's
+handler threads (the tokenizer runs the synchronous server), so the work runs right there:
+texts go through the library's batch calls even one at a time, which release the GIL.
+Tokenizers load on the asyncio loop (the registry); a handler waits only for a first load.
 """
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from services.tokenizer.registry import TokenizerRegistry
@@ -61,46 +59,41 @@ class TokenizerInfo:
 
 
 class Tokenization:
-    def __init__(self, registry: TokenizerRegistry, executor: Executor, *,
-                 max_text_bytes: int, max_batch_items: int, inline_chars: int = 0):
-        """`inline_chars`: a single text input up to this many characters is encoded on the
-        event loop itself; the two thread hops of the executor cost more than the work."""
+    def __init__(self, registry: TokenizerRegistry, loop: asyncio.AbstractEventLoop, *,
+                 max_text_bytes: int, max_batch_items: int):
+        """`loop`: the event loop that loads tokenizers (the registry's)."""
         self.registry = registry
-        self._executor = executor
-        self.inline_chars = inline_chars
+        self._loop = loop
         self.max_text_bytes = max_text_bytes
         self.max_batch_items = max_batch_items
 
-    async def encode(self, model: str, inputs: Sequence[EncodeInput], *,
-                     batch: bool = False) -> list[Encoded]:
+    def encode(self, model: str, inputs: Sequence[EncodeInput], *,
+               batch: bool = False) -> list[Encoded]:
         """`batch`: name fields `requests[i].…` in errors (the batch RPCs)."""
         self._check_batch(len(inputs), batch)
         for i, item in enumerate(inputs):
             self._check_input(item, f"requests[{i}]." if batch else "")
-        tok = await self.registry.get(model)
-        item = inputs[0] if len(inputs) == 1 else None
-        if item is not None and item.text is not None and len(item.text) <= self.inline_chars:
+        tok = self.registry.get_blocking(model, self._loop)
+        if len(inputs) == 1 and inputs[0].text is not None:
+            item = inputs[0]
             return [Encoded(tok.encode(item.text, add_special_tokens=item.add_special_tokens,
                                        parse_special=item.parse_special))]
-        return await self._run(_encode_all, tok, inputs)
+        return _encode_all(tok, inputs)
 
-    async def decode(self, model: str, inputs: Sequence[DecodeInput], *,
-                     batch: bool = False) -> list[str]:
+    def decode(self, model: str, inputs: Sequence[DecodeInput], *,
+               batch: bool = False) -> list[str]:
         self._check_batch(len(inputs), batch)
-        tok = await self.registry.get(model)
+        tok = self.registry.get_blocking(model, self._loop)
         for i, item in enumerate(inputs):
             tok.check_ids(item.token_ids, field=f"requests[{i}].token_ids" if batch else "token_ids")
-        return await self._run(_decode_all, tok, inputs)
+        return _decode_all(tok, inputs)
 
-    async def info(self, model: str) -> TokenizerInfo:
-        tok = await self.registry.get(model)
+    def info(self, model: str) -> TokenizerInfo:
+        tok = self.registry.get_blocking(model, self._loop)
         return TokenizerInfo(
             model=model, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id,
             eos_token_id=tok.eos_token_id, special_token_ids=tuple(sorted(tok.special_token_ids)),
             has_chat_template=tok.chat_template is not None, max_text_bytes=self.max_text_bytes)
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _check_batch(self, n: int, batch: bool) -> None:
         if not batch:
@@ -145,7 +138,6 @@ class Tokenization:
 
 
 def _encode_all(tok: ModelTokenizer, inputs: Sequence[EncodeInput]) -> list[Encoded]:
-    # Runs on an executor thread.
     out: list[Encoded | None] = [None] * len(inputs)
     texts: dict[tuple[bool, bool], list[int]] = defaultdict(list)
     for i, item in enumerate(inputs):

@@ -1,7 +1,13 @@
-"""One way to run a grpc.aio server: health, reflection, error mapping, metrics, shutdown.
+"""One way to run a gRPC server: health, reflection, error mapping, metrics, shutdown.
 
     server = GrpcServer("engine", [Registration(SERVICE_NAME, add_fn, servicer)], opts)
     await server.run()          # returns after SIGTERM/SIGINT and a graceful stop
+
+The server is grpc.aio (handlers are coroutines) unless `ServerOptions.handler_threads` is
+set: then a synchronous grpc server whose handlers are plain functions run on that many
+threads, for short CPU-bound unary calls (a tokenizer), where it answers ~0.5 ms sooner per
+call than grpc.aio on a small machine. Either way the process's asyncio loop owns start,
+signals, drain and stop.
 
 Shutdown: health goes NOT_SERVING for every service, the server keeps answering for
 `drain_seconds` so that balancers notice, then `server.stop(grace_seconds)` lets in-flight
@@ -10,7 +16,9 @@ calls finish, then `on_stop` hooks run (flush spools, close stores).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -34,12 +42,16 @@ class ServerOptions:
     grace_seconds: float = 5.0
     drain_seconds: float = 1.0
     max_message_bytes: int = 16 * 1024 * 1024
+    # None: grpc.aio server. N: synchronous server, handlers on N threads.
+    handler_threads: int | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.grace_seconds < 0 or self.drain_seconds < 0:
             raise ValueError("grace_seconds and drain_seconds must be >= 0")
+        if self.handler_threads is not None and self.handler_threads < 1:
+            raise ValueError(f"handler_threads must be >= 1, got {self.handler_threads}")
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,34 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+class SyncErrorInterceptor(grpc.ServerInterceptor):
+    """ErrorInterceptor for the synchronous server (unary-unary handlers)."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not handler.unary_unary:
+            return handler
+        method, inner = details.method, handler.unary_unary
+
+        def unary_unary(request, context):
+            try:
+                return inner(request, context)
+            except errors.ServiceError as e:
+                err = e
+            except Exception as e:  # noqa: BLE001 - last line of defence
+                if context.code() is not None:
+                    raise  # the handler aborted or set its own status
+                _unexpected(method, e)
+                err = None
+            if err is None:
+                context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            context.set_trailing_metadata(tuple(err.metadata))
+            context.abort(err.code, err.message)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, handler.request_deserializer, handler.response_serializer)
+
+
 class GrpcServer:
     def __init__(self, service: str, registrations: list[Registration], options: ServerOptions,
                  *, on_stop: list[Callable[[], Awaitable[None]]] | None = None):
@@ -112,24 +152,27 @@ class GrpcServer:
         self.registrations = registrations
         self.options = options
         self.on_stop = list(on_stop or [])
-        self.health = health.aio.HealthServicer()
+        self._sync = options.handler_threads is not None
+        self.health = health.HealthServicer() if self._sync else health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
-        self._server: grpc.aio.Server | None = None
+        self._server: grpc.Server | grpc.aio.Server | None = None
         self._stop_requested = asyncio.Event()
 
     async def start(self, *, serving: bool = True) -> int:
         """Binds and starts; `serving=False` keeps health NOT_SERVING (e.g. while a model
         loads) until `set_serving(True)`."""
         opts = self.options
-        server = grpc.aio.server(
-            interceptors=[ErrorInterceptor()],
-            options=[
-                ("grpc.max_send_message_length", opts.max_message_bytes),
-                ("grpc.max_receive_message_length", opts.max_message_bytes),
-                ("grpc.so_reuseport", 0),
-            ],
-        )
+        grpc_options = [
+            ("grpc.max_send_message_length", opts.max_message_bytes),
+            ("grpc.max_receive_message_length", opts.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        if self._sync:
+            server = grpc.server(ThreadPoolExecutor(opts.handler_threads, thread_name_prefix="grpc"),
+                                 interceptors=[SyncErrorInterceptor()], options=grpc_options)
+        else:
+            server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=grpc_options)
         for reg in self.registrations:
             reg.add_to_server(reg.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -139,7 +182,10 @@ class GrpcServer:
         self.port = server.add_insecure_port(f"{opts.host}:{opts.port}")
         if self.port == 0:
             raise OSError(f"cannot bind {opts.host}:{opts.port}")
-        await server.start()
+        if self._sync:
+            server.start()
+        else:
+            await server.start()
         self._server = server
         if opts.metrics_port is not None:
             self.metrics_port = start_metrics_server(opts.metrics_port, opts.host)
@@ -150,9 +196,10 @@ class GrpcServer:
     async def set_serving(self, serving: bool):
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.health.set("", status)
-        for reg in self.registrations:
-            await self.health.set(reg.name, status)
+        for name in ("", *(reg.name for reg in self.registrations)):
+            done = self.health.set(name, status)
+            if inspect.isawaitable(done):
+                await done
 
     def request_stop(self):
         self._stop_requested.set()
@@ -163,7 +210,10 @@ class GrpcServer:
         await self.set_serving(False)
         log.info("draining", service=self.service, seconds=self.options.drain_seconds)
         await asyncio.sleep(self.options.drain_seconds)
-        await self._server.stop(self.options.grace_seconds)
+        if self._sync:
+            await asyncio.to_thread(self._server.stop(self.options.grace_seconds).wait)
+        else:
+            await self._server.stop(self.options.grace_seconds)
         for hook in self.on_stop:
             try:
                 await hook()

@@ -8,6 +8,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.runtime import errors
+from tokenserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
 
 SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
@@ -100,3 +101,58 @@ async def test_stop_goes_not_serving_then_lets_inflight_finish(server):
         got, err = await inflight
         assert got == ["a", "b"] and err is None
         await stopping
+
+
+TOKENIZER = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+
+
+class SyncTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    """Plain-function handlers for the synchronous server mode (handler_threads)."""
+
+    def GetTokenizerInfo(self, request, context):
+        if request.model == "busy":
+            raise errors.ResourceExhausted("queue full (256 waiting)", retry_after=1.5)
+        if request.model == "bug":
+            raise RuntimeError("secret prompt text")
+        if request.model == "aborts":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "handler's own status")
+        return tokenizer_pb2.GetTokenizerInfoResponse(model=request.model)
+
+
+async def test_sync_handler_mode_maps_errors_and_serves_health_and_reflection():
+    srv = GrpcServer("test", [Registration(TOKENIZER, tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server,
+                                           SyncTokenizer())],
+                     ServerOptions(port=0, drain_seconds=0, grace_seconds=1, handler_threads=2))
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(ch)
+            info = tokenizer_pb2.GetTokenizerInfoRequest
+            assert (await stub.GetTokenizerInfo(info(model="m"))).model == "m"
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.GetTokenizerInfo(info(model="busy"))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "queue full" in e.value.details()
+            assert dict(e.value.trailing_metadata())["retry-after-ms"] == "1500"
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.GetTokenizerInfo(info(model="bug"))
+            assert e.value.code() == grpc.StatusCode.INTERNAL and "secret" not in e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.GetTokenizerInfo(info(model="aborts"))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            health = health_pb2_grpc.HealthStub(ch)
+            resp = await health.Check(health_pb2.HealthCheckRequest(service=TOKENIZER))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+            call = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            async for r in call:
+                assert TOKENIZER in {s.name for s in r.list_services_response.service}
+                break
+    finally:
+        await srv.stop()
+    assert srv._server is None
+
+
+def test_handler_threads_must_be_positive():
+    with pytest.raises(ValueError, match="handler_threads"):
+        ServerOptions(handler_threads=0)
