@@ -266,15 +266,23 @@ def median_runs(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def measure(peer: str, run, loads: dict[str, list[list[int]]], runs: int, new_tokens: int) -> dict:
+def measure(peer: str, run, loads: dict[str, list[list[int]]], runs: int, new_tokens: int,
+            server=None) -> dict:
     """run(prompts, new_tokens) -> summary; a 4-token warm-up, then each workload `runs`
-    times, keeping the medians."""
-    run(next(iter(loads.values()))[:1], 4)
-    out = {}
-    for name, prompts in loads.items():
-        out[name] = median_runs([run(prompts, new_tokens) for _ in range(runs)])
-        print(peer, name, _fmt(out[name]), flush=True)
-    return out
+    times, keeping the medians. `server` (a peer process with wait/stop) is waited for first
+    and stopped at the end, whatever happens."""
+    try:
+        if server is not None:
+            server.wait()
+        run(next(iter(loads.values()))[:1], 4)
+        out = {}
+        for name, prompts in loads.items():
+            out[name] = median_runs([run(prompts, new_tokens) for _ in range(runs)])
+            print(peer, name, _fmt(out[name]), flush=True)
+        return out
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def main(argv=None) -> int:
@@ -303,24 +311,16 @@ def main(argv=None) -> int:
         log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.engine.log"
         print("engine log:", log_path, flush=True)
         eng = Engine(["--max-concurrency", str(max(64, *conc)), *a.engine_arg], log_path)
-        try:
-            eng.wait()
-            results["tokenserve"] = measure(
-                "tokenserve", lambda ps, n: asyncio.run(run_tokenserve(eng.target, ps, n)),
-                loads, a.runs, a.new_tokens)
-        finally:
-            eng.stop()
+        results["tokenserve"] = measure(
+            "tokenserve", lambda ps, n: asyncio.run(run_tokenserve(eng.target, ps, n)),
+            loads, a.runs, a.new_tokens, server=eng)
     if a.llama_server:
         log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.llama-server.log"
         ctx = max(len(p) for ps in loads.values() for p in ps) + a.new_tokens + 16
         srv = LlamaServer(a.llama_server, max(conc), ctx, log_path)
-        try:
-            srv.wait()
-            results["llama.cpp-server"] = measure(
-                "llama.cpp-server", lambda ps, n: asyncio.run(run_llama_server(srv.port, ps, n)),
-                loads, a.runs, a.new_tokens)
-        finally:
-            srv.stop()
+        results["llama.cpp-server"] = measure(
+            "llama.cpp-server", lambda ps, n: asyncio.run(run_llama_server(srv.port, ps, n)),
+            loads, a.runs, a.new_tokens, server=srv)
     for peer in peers:
         if not peer.startswith("transformers-"):
             continue
