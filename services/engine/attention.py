@@ -55,10 +55,8 @@ class AttentionMetadata:
     decode_start: int = 0
     # [B, max_blocks] block tables of the decode rows (padded with block 0).
     decode_blocks: torch.Tensor | None = None
-    # [B] context length of each decode row (int64), for the C kernel.
+    # [B] context length of each decode row (int64).
     decode_ctx: torch.Tensor | None = None
-    # [B, 1, 1, max_blocks * block_size] True where a key position is padding (>= context length).
-    decode_mask: torch.Tensor | None = None
     # Single decode row whose blocks are consecutive: (first block, context length); read as a view.
     decode_contiguous: tuple[int, int] | None = None
 
@@ -87,8 +85,6 @@ def build_metadata(spans: list[tuple[int, int, list[int]]], block_size: int,
         tables = [t[:nb] + [0] * (nb - min(nb, len(t))) for _, t in decodes]
         meta.decode_blocks = torch.tensor(tables, dtype=torch.long, device=device)
         meta.decode_ctx = torch.tensor([ctx for ctx, _ in decodes], dtype=torch.long, device=device)
-        pos = torch.arange(nb * block_size, device=device)
-        meta.decode_mask = (pos[None, :] >= meta.decode_ctx[:, None])[:, None, None, :]
     if len(decodes) == 1 and _consecutive(decodes[0][1], decodes[0][0], block_size):
         ctx, table = decodes[0]
         meta.decode_contiguous = (table[0], ctx)
@@ -173,7 +169,9 @@ def _decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, meta:
     else:
         ks = cache_k[meta.decode_blocks].flatten(1, 2).to(q.dtype)  # [B, L, Hkv, D]
         vs = cache_v[meta.decode_blocks].flatten(1, 2).to(q.dtype)
-        mask = meta.decode_mask  # [B, 1, 1, L]
+        # [B, 1, 1, L]: True where a key position is padding (>= the row's context length)
+        pos = torch.arange(ks.shape[1], device=q.device)
+        mask = (pos[None, :] >= meta.decode_ctx[:, None])[:, None, None, :]
     scores = torch.matmul(qd, ks.permute(0, 2, 3, 1)).mul_(scale)  # [B, Hkv, G, L]
     if mask is not None:
         scores = scores.masked_fill_(mask, float("-inf"))

@@ -364,7 +364,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cpu_has_avx2_fma() -> bool:
+def _cpu_has_avx2_fma_f16c() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -400,8 +400,8 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    if not _cpu_has_avx2_fma():
-        log.info("cpu_kernels_unavailable", reason="cpu lacks avx2/fma")
+    if not _cpu_has_avx2_fma_f16c():
+        log.info("cpu_kernels_unavailable", reason="cpu lacks avx2, fma or f16c")
         return None
     try:
         so = _build(cache_dir or Path.home() / ".cache" / "tokenserve" / "kernels")

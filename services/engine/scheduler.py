@@ -79,10 +79,13 @@ class StepCosts:
             return
         if not prompt_tokens:
             self.decode_step = self._avg(self.decode_step, seconds)
-        elif not decode_rows or self.decode_step is not None:
-            extra = seconds - (self.decode_step or 0.0) if decode_rows else seconds
-            if extra > 0:
-                self.per_prompt_token = self._avg(self.per_prompt_token, extra / prompt_tokens)
+            return
+        if decode_rows:
+            if self.decode_step is None:
+                return  # cannot split the step between decodes and prompt yet
+            seconds -= self.decode_step
+        if seconds > 0:
+            self.per_prompt_token = self._avg(self.per_prompt_token, seconds / prompt_tokens)
 
     def prompt_tokens_within(self, seconds: float) -> int | None:
         """Prompt tokens a step with the current decodes can add and stay within `seconds`,
@@ -210,7 +213,7 @@ class Scheduler:
         fits = self.costs.prompt_tokens_within(target)
         return cap if fits is None else min(cap, max(MIN_PREFILL_CHUNK, fits))
 
-    def _admit(self, chunks: list[SeqChunk], budget: int, now: float) -> int:
+    def _admit(self, chunks: list[SeqChunk], budget: int, now: float) -> None:
         cfg = self.config
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self._next_waiting()
@@ -228,7 +231,6 @@ class Scheduler:
             self._tenant_last_admit[seq.tenant_id] = next(self._admit_counter)
             chunks.append(self._chunk(seq, n, now))
             budget -= n
-        return budget
 
     def _next_waiting(self) -> Sequence:
         top = max(s.priority for s in self.waiting)

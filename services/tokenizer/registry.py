@@ -36,20 +36,26 @@ class TokenizerRegistry:
         self._paths.pop(name, None)
         self._loaded.pop(name, None)
 
+    def _cached(self, name: str) -> ModelTokenizer | None:
+        """The loaded tokenizer of `name` if it is from the current artifact; raises for an
+        unknown or empty name."""
+        path = self._path(name)
+        cached = self._loaded.get(name)
+        return cached[1] if cached is not None and cached[0] == path else None
+
     def get_blocking(self, name: str, loop: asyncio.AbstractEventLoop) -> ModelTokenizer:
         """`get` from a thread other than the event loop's: a loaded tokenizer comes straight
         from the cache; a first load runs (shared) on `loop` and this thread waits for it."""
-        path = self._path(name)
-        cached = self._loaded.get(name)
-        if cached is not None and cached[0] == path:
-            return cached[1]
+        cached = self._cached(name)
+        if cached is not None:
+            return cached
         return asyncio.run_coroutine_threadsafe(self.get(name), loop).result()
 
     async def get(self, name: str) -> ModelTokenizer:
+        cached = self._cached(name)
+        if cached is not None:
+            return cached
         path = self._path(name)
-        cached = self._loaded.get(name)
-        if cached is not None and cached[0] == path:
-            return cached[1]
         pending = self._loading.get(name)
         if pending is None or pending[0] != path:
             pending = (path, asyncio.ensure_future(self._load(name, path)))

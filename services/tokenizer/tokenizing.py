@@ -73,12 +73,7 @@ class Tokenization:
         self._check_batch(len(inputs), batch)
         for i, item in enumerate(inputs):
             self._check_input(item, f"requests[{i}]." if batch else "")
-        tok = self.registry.get_blocking(model, self._loop)
-        if len(inputs) == 1 and inputs[0].text is not None:
-            item = inputs[0]
-            return [Encoded(tok.encode(item.text, add_special_tokens=item.add_special_tokens,
-                                       parse_special=item.parse_special))]
-        return _encode_all(tok, inputs)
+        return _encode_all(self.registry.get_blocking(model, self._loop), inputs)
 
     def decode(self, model: str, inputs: Sequence[DecodeInput], *,
                batch: bool = False) -> list[str]:

@@ -36,7 +36,7 @@ def test_int8_linear_matches_its_dequantized_weight(weight, rows):
 
 
 def test_kernel_builds_on_this_machine():
-    if not cpu_kernels._cpu_has_avx2_fma():
+    if not cpu_kernels._cpu_has_avx2_fma_f16c():
         pytest.skip("CPU without AVX2/FMA: the torch path is used")
     assert cpu_kernels.load() is not None
 
