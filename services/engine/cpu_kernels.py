@@ -37,6 +37,12 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 
+/* Work items are handed out dynamically everywhere: on a shared 2-core machine a thread that
+   is preempted for a moment then costs only the item it holds, not a static half of the
+   work. Element-wise kernels stay on one thread below this size (a parallel region costs
+   more than the work). */
+#define PARALLEL_MIN_ELEMS (1 << 16)
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -130,7 +136,7 @@ static void int8_linear_panels(const float *x, const int8_t *p, const float *sca
     #pragma omp parallel
     {
         float *w = (float *)aligned_alloc(32, sizeof(float) * 16 * K);
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic)
         for (int64_t g = 0; g < groups; g++) {
             for (int64_t b = g * 12; b < g * 12 + 12; b += 2) {
                 if (b * 8 >= N) break;
@@ -166,7 +172,7 @@ void int8_linear(const float *x, const int8_t *p, const float *scale, float *y,
         return;
     }
     int64_t groups = (N + 95) / 96;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(dynamic)
     for (int64_t g = 0; g < groups; g++) {
         int64_t b0 = g * 12, m = 0;
         if (M - m >= 6) {
@@ -285,7 +291,7 @@ PAGED_DECODE_ATTENTION(paged_decode_attention_f16, uint16_t, LOAD_F16)
 
 /* gu: [M, 2I] (gate columns, then up columns) -> out: [M, I] = silu(gate) * up. */
 void silu_mul(const float *gu, float *out, int64_t M, int64_t I) {
-    #pragma omp parallel for schedule(static) if (M > 4)
+    #pragma omp parallel for schedule(dynamic) if (M * I >= PARALLEL_MIN_ELEMS)
     for (int64_t m = 0; m < M; m++) {
         const float *g = gu + m * 2 * I, *u = g + I;
         float *o = out + m * I;
@@ -303,7 +309,7 @@ void silu_mul(const float *gu, float *out, int64_t M, int64_t I) {
 /* Index of the first largest value of each row of x: [M, V], with torch.argmax's rules: ties
    go to the first index, and a NaN counts as the largest value (the first NaN wins). */
 void argmax_rows(const float *x, int64_t *out, int64_t M, int64_t V) {
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(dynamic) if (M * V >= PARALLEL_MIN_ELEMS)
     for (int64_t m = 0; m < M; m++) {
         const float *r = x + m * V;
         int64_t v = 0, best;
@@ -337,7 +343,7 @@ void argmax_rows(const float *x, int64_t *out, int64_t M, int64_t V) {
 /* x: [M, K] (updated in place with delta when delta != 0), w: [K], out: [M, K]. K % 8 == 0. */
 void add_rmsnorm(float *x, const float *delta, const float *w, float *out,
                  int64_t M, int64_t K, float eps) {
-    #pragma omp parallel for schedule(static) if (M > 4)
+    #pragma omp parallel for schedule(dynamic) if (M * K >= PARALLEL_MIN_ELEMS)
     for (int64_t m = 0; m < M; m++) {
         float *xr = x + m * K;
         float *o = out + m * K;
