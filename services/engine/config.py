@@ -39,6 +39,10 @@ class EngineConfig:
     # While requests decode, a step's prompt tokens are limited so it is expected to take at
     # most this long (learned from step timings); 0: only max_batched_tokens bounds them.
     itl_target_ms: float = 100.0
+    # When nobody is streaming yet, prompts of a burst hold their first token until the whole
+    # burst is prefilled (so it is prefilled in full steps and decodes as one batch), if the
+    # learned cost says that takes at most this long; 0: never hold.
+    burst_hold_ms: float = 3000.0
     block_size: int = 16
     # KV cache size; None: the runner sizes it from available memory.
     kv_cache_mb: int | None = None
@@ -74,6 +78,8 @@ class EngineConfig:
                              " decodes one token per step")
         if not self.itl_target_ms >= 0:
             raise ValueError(f"itl_target_ms must be >= 0 (0 turns it off), got {self.itl_target_ms}")
+        if not self.burst_hold_ms >= 0:
+            raise ValueError(f"burst_hold_ms must be >= 0 (0 turns it off), got {self.burst_hold_ms}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:

@@ -4,7 +4,10 @@ All model compute runs on ONE dedicated thread (torch's OpenMP teams oversubscri
 cores when called from a changing pool of threads). The asyncio front never blocks it:
 requests and aborts go in through a thread-safe queue plus a wake-up event; each step's
 outputs come back with one `loop.call_soon_threadsafe` into per-request asyncio queues.
-When idle the thread sleeps on the event (no polling).
+When idle the thread sleeps on the event (no polling). Woken from idle, it lets a burst
+arrive first: it starts the first step once no request has come in for GATHER_QUIET_S
+(at most GATHER_MAX_S after the first), so requests sent together are scheduled together
+(a lone request waits GATHER_QUIET_S).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -20,6 +24,9 @@ from services.engine.sequence import FinishReason, Sequence
 from tokenserve.runtime.logging import get_logger
 
 log = get_logger(component="engine_loop")
+
+GATHER_QUIET_S = 0.002
+GATHER_MAX_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,7 @@ class EngineLoop:
         while not self._stop:
             if not core.has_work() and self._inbox.empty():
                 self._wake.wait()
+                self._gather()
             # cleared before draining: a submit after the drain sets it again
             self._wake.clear()
             outputs = self._drain(core)
@@ -97,6 +105,14 @@ class EngineLoop:
             self._publish()
             if outputs:
                 self._deliver(outputs)
+
+    def _gather(self) -> None:
+        deadline = time.monotonic() + GATHER_MAX_S
+        while not self._stop:
+            self._wake.clear()
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._wake.wait(min(GATHER_QUIET_S, left)):
+                return
 
     def _drain(self, core: EngineCore) -> list[RequestOutput]:
         outputs = []

@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--itl-target-ms", type=float, default=100.0,
                    help="while requests decode, limit the prompt tokens computed beside them so"
                         " a step should take at most this long; 0: off")
+    p.add_argument("--burst-hold-ms", type=float, default=3000.0,
+                   help="when nobody is streaming yet, the prompts of a burst start streaming"
+                        " together if their prefill is expected to take at most this long; 0: off")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mb", type=int, default=None,
                    help="KV cache size (default: sized from available memory)")
@@ -78,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             threads=a.threads,
             max_concurrency=a.max_concurrency, max_waiting=a.max_waiting,
             max_batched_tokens=a.max_batched_tokens, itl_target_ms=a.itl_target_ms,
+            burst_hold_ms=a.burst_hold_ms,
             block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
             enable_prefix_caching=not a.no_prefix_caching, watts=a.watts,
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
@@ -113,6 +117,7 @@ def build_core(config: EngineConfig) -> EngineCore:
                         max_num_batched_tokens=config.max_batched_tokens,
                         max_waiting=config.max_waiting, max_model_len=runner.max_context,
                         itl_target_s=config.itl_target_ms / 1000,
+                        burst_hold_s=config.burst_hold_ms / 1000,
                         # keep ~1% free so running requests can grow without preemption
                         admission_reserve_blocks=max(1, runner.num_blocks // 100)),
         BlockManager(runner.num_blocks, runner.block_size,

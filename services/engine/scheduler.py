@@ -11,6 +11,14 @@ the target (at least MIN_PREFILL_CHUNK tokens and half the decodes' time, so pro
 progress). Decoding streams then stall for one short chunk, not a whole budget's worth of
 prompt, when others arrive.
 
+Bursts start together (`burst_hold_s`): when nobody is streaming yet and several prompts
+are being prefilled, a prompt that finishes first keeps its last token (and so its first
+output token) back until the others are done, as long as the learned costs say the rest
+finishes within `burst_hold_s` of the hold starting. Without it the first prompts of a burst
+would start decoding at once, and the target above would then cut every later prompt of
+the burst into small chunks beside a few decodes (many slow steps, a long tail of first
+tokens); with it the burst is prefilled in full steps and decodes as one batch.
+
 Policies:
 - priority: higher `priority` is scheduled, admitted and kept first; when KV blocks run
   out the lowest-priority (then youngest) running sequence is preempted and recomputed.
@@ -45,6 +53,8 @@ class SchedulerConfig:
     # Seconds a step may take while sequences decode (bounds the prompt tokens beside them);
     # 0: no bound beyond max_num_batched_tokens.
     itl_target_s: float = 0.0
+    # Longest a burst's first tokens are held back so the burst starts together; 0: never.
+    burst_hold_s: float = 0.0
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -58,6 +68,8 @@ class SchedulerConfig:
                              " max_model_len >= 2")
         if not self.itl_target_s >= 0:
             raise ValueError(f"itl_target_s must be >= 0, got {self.itl_target_s}")
+        if not self.burst_hold_s >= 0:
+            raise ValueError(f"burst_hold_s must be >= 0, got {self.burst_hold_s}")
 
 
 # Fewest prompt tokens a step computes beside decodes under an inter-token latency target.
@@ -124,6 +136,7 @@ class Scheduler:
         self._admit_counter = itertools.count()
         self.num_preemptions = 0
         self.costs = StepCosts()
+        self._hold_since: float | None = None  # when the current burst hold began
 
     # -- requests in and out ------------------------------------------------------------
     @property
@@ -173,14 +186,20 @@ class Scheduler:
         # decodes first, then unfinished prefills; each by priority then age
         self.running.sort(key=lambda s: (s.num_remaining > 1, -s.priority, s.arrival))
         prompt_left = self._prompt_allowance()
+        hold = self._burst_hold(now)
         scheduled: set[int] = set()
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if hold and _held(seq):
+                i += 1
+                continue
             if seq.num_remaining > 1 and prompt_left <= 0:
                 break  # the rest are prompts: they wait for a step with room
             n = min(seq.num_remaining, budget, prompt_left if seq.num_remaining > 1 else 1)
+            if hold:
+                n = _hold_back(seq, n, seq.num_remaining)
             while not self.blocks.allocate(seq, n):
                 victim = self._pick_victim(scheduled)
                 self._preempt(victim)
@@ -197,7 +216,7 @@ class Scheduler:
                 continue
             # seq itself was preempted: running[i] is now the next one
         if not preempted and prompt_left > 0:
-            self._admit(chunks, min(budget, prompt_left), now)
+            self._admit(chunks, min(budget, prompt_left), now, hold)
         # Ended sequences reach the runner with the next batch that has work.
         finished: list[int] = []
         if chunks:
@@ -208,17 +227,38 @@ class Scheduler:
         """Prompt tokens this step may compute (beside any decodes)."""
         cap = self.config.max_num_batched_tokens
         target = self.config.itl_target_s
-        if not target or not any(s.num_remaining == 1 for s in self.running):
+        if not target or not any(_streaming(s) for s in self.running):
             return cap
         fits = self.costs.prompt_tokens_within(target)
         return cap if fits is None else min(cap, max(MIN_PREFILL_CHUNK, fits))
 
-    def _admit(self, chunks: list[SeqChunk], budget: int, now: float) -> None:
+    def _burst_hold(self, now: float) -> bool:
+        """Whether prompts finishing their prefill this step hold their first token back:
+        nobody is streaming yet, the burst's prompt tokens do not all fit in this step, and
+        the learned cost says they are done within burst_hold_s of the hold starting."""
+        cfg = self.config
+        per_token = self.costs.per_prompt_token
+        if cfg.burst_hold_s and per_token is not None and not any(
+                s.output_token_ids for s in self.running):
+            slots = max(0, cfg.max_num_seqs - len(self.running))
+            pending = (sum(s.num_remaining for s in self.running)
+                       + sum(s.num_remaining for s in self.waiting[:slots]))
+            since = now if self._hold_since is None else self._hold_since
+            if pending > cfg.max_num_batched_tokens and now - since + pending * per_token <= cfg.burst_hold_s:
+                self._hold_since = since
+                return True
+        self._hold_since = None
+        return False
+
+    def _admit(self, chunks: list[SeqChunk], budget: int, now: float, hold: bool) -> None:
         cfg = self.config
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self._next_waiting()
             cached = self.blocks.find_cached_prefix(seq)
-            n = min(seq.num_remaining - len(cached) * self.blocks.block_size, budget)
+            left = seq.num_remaining - len(cached) * self.blocks.block_size
+            n = min(left, budget)
+            if hold:
+                n = _hold_back(seq, n, left)
             # the reserve is for running sequences to grow into; an idle engine needs none
             reserve = cfg.admission_reserve_blocks if self.running else 0
             if not self.blocks.allocate(seq, n, cached, reserve=reserve):
@@ -299,3 +339,19 @@ class Scheduler:
         if len(seq.output_token_ids) >= stop.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _streaming(seq: Sequence) -> bool:
+    """Decoding: its stream has started (a recompute after preemption counts)."""
+    return seq.num_remaining == 1 and bool(seq.output_token_ids)
+
+
+def _held(seq: Sequence) -> bool:
+    """A prompt held one token short of its end by a burst hold."""
+    return seq.num_remaining == 1 and not seq.output_token_ids
+
+
+def _hold_back(seq: Sequence, n: int, left: int) -> int:
+    """n of the `left` tokens seq still needs, or one less when that would finish its prompt
+    (and sample its first token)."""
+    return n - 1 if 1 < n == left and not seq.output_token_ids else n

@@ -89,3 +89,20 @@ async def test_a_failing_build_is_reported_to_waiters():
     with pytest.raises(FileNotFoundError):
         await engine.wait_ready()
     assert not engine.is_ready
+
+
+async def test_requests_sent_together_to_an_idle_engine_start_in_the_same_step():
+    """Submitted a millisecond apart (as a client's burst arrives), they are gathered before
+    the first step instead of the first one running alone."""
+    engine = await started()
+    try:
+        runner = engine.loop.core.runner
+        seqs = [make_seq(engine.next_seq_id(), 5, max_tokens=2) for _ in range(4)]
+        tasks = []
+        for s in seqs:
+            tasks.append(asyncio.create_task(collect(engine, s)))
+            await asyncio.sleep(0.001)
+        await asyncio.gather(*tasks)
+        assert sorted(c.seq_id for c in runner.batches[0].chunks) == sorted(s.seq_id for s in seqs)
+    finally:
+        engine.stop()

@@ -39,6 +39,8 @@ def test_config_is_validated():
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="itl_target_s"):
         SchedulerConfig(itl_target_s=-1)
+    with pytest.raises(ValueError, match="burst_hold_s"):
+        SchedulerConfig(burst_hold_s=float("nan"))
 
 
 def test_every_step_respects_budget_and_slots():
@@ -257,3 +259,86 @@ def test_admission_keeps_a_reserve_for_running_sequences_to_grow():
     assert [c.seq_id for c in batch.chunks] == [1]
     run_all(sched, runner)
     assert b.output_token_ids == reference_output(b.prompt_token_ids, 2)
+
+
+def first_token_steps(sched, runner, seqs, *, step_s=None) -> dict[int, int]:
+    """Runs to the end (the clock advancing by each step's reported seconds, or step_s);
+    the step index at which each sequence got its first token."""
+    for s in seqs:
+        sched.add(s)
+    first, now = {}, 0.0
+    for i in range(10_000):
+        if not sched.has_work():
+            return first
+        batch = sched.schedule(now)
+        out = runner.execute(batch)
+        now += out.seconds if step_s is None else step_s
+        sched.update(batch, out, now)
+        for s in seqs:
+            if s.output_token_ids and s.seq_id not in first:
+                first[s.seq_id] = i
+    raise AssertionError("scheduler did not finish")
+
+
+def bursty(**cfg):
+    """1 ms per prompt token; one request already served so the cost is known."""
+    cfg.setdefault("max_num_batched_tokens", 32)
+    sched, runner = make(num_blocks=512, itl_target_s=0.1, **cfg)
+    runner.cost = lambda decode_rows, prompt_tokens: 0.001 * (decode_rows + prompt_tokens)
+    first_token_steps(sched, runner, [make_seq(100, 10, max_tokens=2)])
+    return sched, runner
+
+
+def test_a_burst_starts_streaming_together_and_output_is_unchanged():
+    sched, runner = bursty(burst_hold_s=1.0)
+    seqs = [make_seq(i, 20, max_tokens=6) for i in range(1, 9)]  # 160 prompt tokens
+    start = len(runner.batches)
+    first = first_token_steps(sched, runner, seqs)
+    # every first token in the 5th step; the burst was prefilled in full 32-token steps
+    assert first == {s.seq_id: 4 for s in seqs}
+    assert [b.num_tokens for b in runner.batches[start:start + 5]] == [32] * 5
+    for s in seqs:
+        assert s.output_token_ids == reference_output(s.prompt_token_ids, 6)
+
+
+def test_without_a_hold_a_burst_starts_one_prompt_at_a_time():
+    sched, runner = bursty(burst_hold_s=0.0)
+    seqs = [make_seq(i, 20, max_tokens=6) for i in range(1, 9)]
+    assert len(set(first_token_steps(sched, runner, seqs).values())) > 1
+
+
+def test_a_lone_prompt_is_never_held():
+    sched, runner = bursty(burst_hold_s=1.0)
+    seq = make_seq(1, 100, max_tokens=2)
+    # 100 tokens in chunks of 32: the first token comes with the 4th step, as without a hold
+    assert first_token_steps(sched, runner, [seq]) == {1: 3}
+    assert [len(c.token_ids) for b in runner.batches[-5:-1] for c in b.chunks] == [32, 32, 32, 4]
+
+
+def test_a_burst_expected_to_take_longer_than_the_hold_is_not_held():
+    sched, runner = bursty(burst_hold_s=0.1)  # 160 tokens at 1 ms: 0.16 s
+    seqs = [make_seq(i, 20, max_tokens=6) for i in range(1, 9)]
+    first = first_token_steps(sched, runner, seqs)
+    assert first[1] == 0 and len(set(first.values())) > 1
+
+
+def test_a_hold_ends_when_it_has_lasted_burst_hold_s():
+    """The steps take 4x longer than learned: after the first (0.128 s), the rest of the
+    burst (0.128 s more expected) would end past 0.2 s, so the held prompt is released in
+    the next step rather than kept until the burst is done."""
+    sched, runner = bursty(burst_hold_s=0.2)
+    seqs = [make_seq(i, 20, max_tokens=6) for i in range(1, 9)]  # 0.16 s expected
+    first = first_token_steps(sched, runner, seqs, step_s=0.128)  # 32 tokens x 4 ms
+    assert first[1] == 1  # held back in step 0, released in step 1
+    assert len(set(first.values())) > 1
+
+
+def test_prompts_arriving_while_others_stream_are_not_held():
+    sched, runner = bursty(burst_hold_s=1.0)
+    streaming = make_seq(1, 5, max_tokens=100)
+    sched.add(streaming)
+    step(sched, runner)
+    assert streaming.output_token_ids
+    late = [make_seq(i, 20, max_tokens=2) for i in range(2, 6)]
+    first = first_token_steps(sched, runner, late)
+    assert len(set(first.values())) > 1
