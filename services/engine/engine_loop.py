@@ -25,8 +25,8 @@ from tokenserve.runtime.logging import get_logger
 
 log = get_logger(component="engine_loop")
 
-GATHER_QUIET_S = 0.002
-GATHER_MAX_S = 0.02
+GATHER_QUIET_S = 0.005
+GATHER_MAX_S = 0.025
 
 
 @dataclass(frozen=True)
