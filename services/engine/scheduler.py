@@ -234,15 +234,16 @@ class Scheduler:
 
     def _burst_hold(self, now: float) -> bool:
         """Whether prompts finishing their prefill this step hold their first token back:
-        nobody is streaming yet, the burst's prompt tokens do not all fit in this step, and
-        the learned cost says they are done within burst_hold_s of the hold starting."""
+        nobody is streaming yet, the prompt tokens of the burst's top priority do not all
+        fit in this step (so nobody waits for lower-priority prompts), and the learned cost
+        says they are done within burst_hold_s of the hold starting."""
         cfg = self.config
         per_token = self.costs.per_prompt_token
-        if cfg.burst_hold_s and per_token is not None and not any(
+        burst = self.running + self.waiting[:max(0, cfg.max_num_seqs - len(self.running))]
+        if cfg.burst_hold_s and per_token is not None and burst and not any(
                 s.output_token_ids for s in self.running):
-            slots = max(0, cfg.max_num_seqs - len(self.running))
-            pending = (sum(s.num_remaining for s in self.running)
-                       + sum(s.num_remaining for s in self.waiting[:slots]))
+            top = max(s.priority for s in burst)
+            pending = sum(s.num_remaining for s in burst if s.priority == top)
             since = now if self._hold_since is None else self._hold_since
             if pending > cfg.max_num_batched_tokens and now - since + pending * per_token <= cfg.burst_hold_s:
                 self._hold_since = since

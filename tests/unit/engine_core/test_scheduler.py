@@ -342,3 +342,11 @@ def test_prompts_arriving_while_others_stream_are_not_held():
     late = [make_seq(i, 20, max_tokens=2) for i in range(2, 6)]
     first = first_token_steps(sched, runner, late)
     assert len(set(first.values())) > 1
+
+
+def test_a_prompt_is_never_held_for_lower_priority_prompts():
+    sched, runner = bursty(burst_hold_s=1.0)
+    urgent = make_seq(1, 20, max_tokens=2, priority=1)
+    rest = [make_seq(i, 20, max_tokens=2) for i in range(2, 9)]
+    # its whole prompt goes in the first step and its first token comes with it
+    assert first_token_steps(sched, runner, [urgent, *rest])[1] == 0
