@@ -343,7 +343,7 @@ class Scheduler:
 
 
 def _streaming(seq: Sequence) -> bool:
-    """Decoding: its stream has started (a recompute after preemption counts)."""
+    """Decoding one token a step: its stream has started."""
     return seq.num_remaining == 1 and bool(seq.output_token_ids)
 
 
