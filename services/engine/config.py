@@ -42,7 +42,7 @@ class EngineConfig:
     # When nobody is streaming yet, prompts of a burst hold their first token until the whole
     # burst is prefilled (so it is prefilled in full steps and decodes as one batch), if the
     # learned cost says that takes at most this long; 0: never hold.
-    burst_hold_ms: float = 5000.0
+    burst_hold_ms: float = 15000.0
     block_size: int = 16
     # KV cache size; None: the runner sizes it from available memory.
     kv_cache_mb: int | None = None

@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--itl-target-ms", type=float, default=100.0,
                    help="while requests decode, limit the prompt tokens computed beside them so"
                         " a step should take at most this long; 0: off")
-    p.add_argument("--burst-hold-ms", type=float, default=5000.0,
+    p.add_argument("--burst-hold-ms", type=float, default=15000.0,
                    help="when nobody is streaming yet, the prompts of a burst start streaming"
                         " together if their prefill is expected to take at most this long; 0: off")
     p.add_argument("--block-size", type=int, default=16)
