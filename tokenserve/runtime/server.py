@@ -16,7 +16,6 @@ calls finish, then `on_stop` hooks run (flush spools, close stores).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -130,16 +129,13 @@ class SyncErrorInterceptor(grpc.ServerInterceptor):
             try:
                 return inner(request, context)
             except errors.ServiceError as e:
-                err = e
+                context.set_trailing_metadata(tuple(e.metadata))
+                context.abort(e.code, e.message)
             except Exception as e:  # noqa: BLE001 - last line of defence
                 if context.code() is not None:
                     raise  # the handler aborted or set its own status
                 _unexpected(method, e)
-                err = None
-            if err is None:
                 context.abort(grpc.StatusCode.INTERNAL, "internal error")
-            context.set_trailing_metadata(tuple(err.metadata))
-            context.abort(err.code, err.message)
 
         return grpc.unary_unary_rpc_method_handler(
             unary_unary, handler.request_deserializer, handler.response_serializer)
@@ -197,9 +193,10 @@ class GrpcServer:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", *(reg.name for reg in self.registrations)):
-            done = self.health.set(name, status)
-            if inspect.isawaitable(done):
-                await done
+            if self._sync:
+                self.health.set(name, status)
+            else:
+                await self.health.set(name, status)
 
     def request_stop(self):
         self._stop_requested.set()
