@@ -239,10 +239,10 @@ class Scheduler:
         says they are done within burst_hold_s of the hold starting."""
         cfg = self.config
         per_token = self.costs.per_prompt_token
-        burst = self.running + self.waiting[:max(0, cfg.max_num_seqs - len(self.running))]
-        if cfg.burst_hold_s and per_token is not None and burst and not any(
+        if cfg.burst_hold_s and per_token is not None and not any(
                 s.output_token_ids for s in self.running):
-            top = max(s.priority for s in burst)
+            burst = self.running + self.waiting[:max(0, cfg.max_num_seqs - len(self.running))]
+            top = max((s.priority for s in burst), default=0)
             pending = sum(s.num_remaining for s in burst if s.priority == top)
             since = now if self._hold_since is None else self._hold_since
             if pending > cfg.max_num_batched_tokens and now - since + pending * per_token <= cfg.burst_hold_s:
