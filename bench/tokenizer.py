@@ -7,7 +7,9 @@ prompts. Measured per run, then the median over runs:
   - single: one prompt per call, sequential. Raw = `Tokenizer.encode`; service = `Encode` RPC
     through a sync gRPC stub to a `python -m services.tokenizer` process on loopback; the two
     (and a bare `GetTokenizerInfo` RPC every other prompt) alternate prompt by prompt.
-    Added latency = service p50 - raw p50; the bare RPC p50 is the gRPC round trip alone.
+    Added latency = service p50 - raw p50; the bare RPC p50 is the gRPC round trip alone. The
+    service encodes a prompt this long on every core at once (tokenserve/piece_encoding.py);
+    the raw library's `encode` uses one thread, as an in-process caller gets it.
   - batched: `--batch` prompts per call. Raw = `Tokenizer.encode_batch_fast`; service =
     `EncodeBatch`. Throughput in tokens/s; ratio = service / raw.
 Writes bench/results/tokenizer.json and bench/results/tokenizer.png.

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 from tokenserve.chat_template import ChatTemplate, ChatTemplateError, template_literal_text
 from tokenserve.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
+from tokenserve.piece_encoding import PieceEncoder
 from tokenserve.runtime.errors import FailedPrecondition, InvalidArgument
 
 __all__ = ["ChatTemplateError", "ModelTokenizer", "TokenizerLoadError", "load_model_tokenizer"]
@@ -49,6 +50,7 @@ class ModelTokenizer:
         self._parsing.encode_special_tokens = False
         self.backend = Tokenizer.from_str(backend.to_str())
         self.backend.encode_special_tokens = True
+        self._pieces = PieceEncoder.for_tokenizer(backend)  # None: long texts encoded whole
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -65,14 +67,19 @@ class ModelTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = False,
                parse_special: bool = False) -> list[int]:
-        """The ids of one text. Through the library's batch path without character offsets
-        (`encode_batch_fast`): same ids, ~25% less time than `encode` on a 1 KB prompt."""
+        """The ids of one text; a long one is encoded on several cores at once (piece_encoding)."""
         tok = self._parsing if parse_special else self.backend
+        if self._pieces is not None:
+            return self._pieces.encode(tok, text, add_special_tokens=add_special_tokens)
+        # no character offsets: ~25% less time than the library's `encode`, same ids
         return tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def encode_batch(self, texts: list[str], *, add_special_tokens: bool = False,
+    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = False,
                      parse_special: bool = False) -> list[list[int]]:
         """Same ids as `encode` per text; the library spreads the batch over its own threads."""
+        if len(texts) == 1:
+            return [self.encode(texts[0], add_special_tokens=add_special_tokens,
+                                parse_special=parse_special)]
         tok = self._parsing if parse_special else self.backend
         return [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
 

@@ -1,8 +1,9 @@
 """Encode / decode / count for named models: input checks, then the work.
 
 Plain dataclasses in and out (the servicer converts protobuf). Called on the gRPC server's
-handler threads (the tokenizer runs the synchronous server), so the work runs right there:
-texts go through the library's batch calls even one at a time, which release the GIL.
+handler threads (the tokenizer runs the synchronous server), so the work runs right there
+through library calls that release the GIL: a batch spreads over the library's threads, one
+long text over the handler thread and helpers (tokenserve/piece_encoding.py).
 Tokenizers load on the asyncio loop (the registry); a handler waits only for a first load.
 """
 from __future__ import annotations

@@ -51,3 +51,10 @@ CORPUS: list[str] = [
     "Ünïcödé combining: e\u0301 a\u0308 \U0001d54f\U0001d550",
     "   \n\t \n",
 ]
+
+# Long enough to be encoded in pieces on several cores (tokenserve/piece_encoding.py): every text
+# above in one, and words next to every kind of Unicode space, control and format character.
+EDGES = "".join(f"w{i}{c}x{c}{c} {c}\n{c}y" for i, c in enumerate(
+    "\u3000\u00a0\u2028\u2029\u0085\u001c\u001f\u180e\u200b\u200d\ufeff\u2009\u202f"
+    "\u205f\x0b\x0c\r\t\x00"))
+CORPUS += ["\n".join(CORPUS), " ".join(CORPUS), EDGES * 3, (CODE + RUST + JSON) * 4]
