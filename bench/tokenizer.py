@@ -10,6 +10,8 @@ prompts. Measured per run, then the median over runs:
     Added latency = service p50 - raw p50; the bare RPC p50 is the gRPC round trip alone. The
     service encodes a prompt this long on every core at once (tokenserve/piece_encoding.py);
     the raw library's `encode` uses one thread, as an in-process caller gets it.
+  - long: `--long` prompts of 16 KB, one per call, raw and service alternating (a long prompt
+    is where encoding on every core shows); latency p50 of each.
   - batched: `--batch` prompts per call. Raw = `Tokenizer.encode_batch_fast`; service =
     `EncodeBatch`. Throughput in tokens/s; ratio = service / raw.
 Writes bench/results/tokenizer.json and bench/results/tokenizer.png.
@@ -42,6 +44,7 @@ from tokenserve.tokenizer.v1 import tokenizer_pb2_grpc  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 RESULTS = ROOT / "bench" / "results"
+LONG_BYTES = 16 * 1024
 
 
 def code_prompts(n: int, size: int = 1024) -> list[str]:
@@ -89,7 +92,7 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def one_run(backend, stub, prompts: list[str], batch: list[str]) -> dict:
+def one_run(backend, stub, prompts: list[str], batch: list[str], long: list[str]) -> dict:
     # single: raw library, service and a bare RPC interleaved prompt by prompt, so the
     # machine's drift (a shared host) hits all three alike
     lat_raw, lat_svc, lat_rpc, tokens, tokens_svc = [], [], [], 0, 0
@@ -106,6 +109,14 @@ def one_run(backend, stub, prompts: list[str], batch: list[str]) -> dict:
             stub.GetTokenizerInfo(info)
             lat_rpc.append(time.perf_counter() - t)
     assert tokens == tokens_svc, "service and library disagree"
+    lat_raw_long, lat_svc_long = [], []
+    for p in long:
+        t = time.perf_counter()
+        n = len(backend.encode(p).ids)
+        lat_raw_long.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        assert len(stub.Encode(pb.EncodeRequest(model=MODEL, text=p)).token_ids) == n
+        lat_svc_long.append(time.perf_counter() - t)
     # batched
     t = time.perf_counter()
     batch_tokens = sum(len(e.ids) for e in backend.encode_batch_fast(batch))
@@ -119,6 +130,7 @@ def one_run(backend, stub, prompts: list[str], batch: list[str]) -> dict:
         "raw_single_p50_ms": pct(lat_raw, 0.5) * 1e3, "raw_single_p99_ms": pct(lat_raw, 0.99) * 1e3,
         "svc_single_p50_ms": pct(lat_svc, 0.5) * 1e3, "svc_single_p99_ms": pct(lat_svc, 0.99) * 1e3,
         "rpc_roundtrip_p50_ms": pct(lat_rpc, 0.5) * 1e3,
+        "raw_long_p50_ms": pct(lat_raw_long, 0.5) * 1e3, "svc_long_p50_ms": pct(lat_svc_long, 0.5) * 1e3,
         "raw_single_tok_s": tokens / sum(lat_raw), "svc_single_tok_s": tokens / sum(lat_svc),
         "raw_batch_tok_s": batch_tokens / raw_batch_s, "svc_batch_tok_s": batch_tokens / svc_batch_s,
         "tokens_per_prompt": tokens / len(prompts),
@@ -141,14 +153,18 @@ def plot(summary: dict, path: Path) -> None:
     a.set_ylabel("M tokens/s")
     a.set_title(f"Throughput, ~1 KB code prompts (batch {summary['batch']})")
     a.legend()
-    lat_labels = ["p50", "p99"]
-    b.bar([-0.2, 0.8], [m["raw_single_p50_ms"], m["raw_single_p99_ms"]], 0.4, label="raw tokenizers")
-    b.bar([0.2, 1.2], [m["svc_single_p50_ms"], m["svc_single_p99_ms"]], 0.4, label="service")
+    lat_labels = ["1 KB p50", "1 KB p99", "16 KB p50 / 10"]
+    b.bar([-0.2, 0.8, 1.8], [m["raw_single_p50_ms"], m["raw_single_p99_ms"], m["raw_long_p50_ms"] / 10],
+          0.4, label="raw tokenizers (one thread)")
+    b.bar([0.2, 1.2, 2.2], [m["svc_single_p50_ms"], m["svc_single_p99_ms"], m["svc_long_p50_ms"] / 10],
+          0.4, label="service")
     b.axhline(m["rpc_roundtrip_p50_ms"], color="gray", ls="--", label="bare RPC p50")
-    b.set_xticks([0, 1], lat_labels)
-    b.set_ylabel("ms per 1 KB prompt")
+    b.set_xticks([0, 1, 2], lat_labels)
+    b.set_ylabel("ms per prompt")
     b.set_title("Single-prompt latency")
-    b.legend()
+    b.set_ylim(0, 1.4 * max(m["svc_single_p99_ms"], m["raw_single_p99_ms"], m["svc_long_p50_ms"] / 10,
+                            m["raw_long_p50_ms"] / 10))
+    b.legend(loc="upper left", fontsize=8)
     load = summary["machine"]["load_avg_at_end"][0]
     fig.suptitle(f"SmolLM2 tokenizer, median of {summary['runs']} runs ({summary['started']}, "
                  f"{summary['machine']['cpus']} CPUs, load average {load:.1f})")
@@ -161,11 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--singles", type=int, default=300)
     p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--long", type=int, default=20, help="16 KB prompts per run")
     p.add_argument("--workers", type=int, default=4)
     a = p.parse_args(argv)
     started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     prompts = code_prompts(a.singles + a.batch)
     singles, batch = prompts[:a.singles], prompts[a.singles:]
+    long = code_prompts(a.long, LONG_BYTES)
     backend = load_model_tokenizer(default_model_path()).backend
     port = free_port()
     proc = start_service(port, a.workers)
@@ -175,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             for p_ in singles[:50]:  # warm both paths
                 backend.encode(p_)
                 stub.Encode(pb.EncodeRequest(model=MODEL, text=p_))
-            runs = [one_run(backend, stub, singles, batch) for _ in range(a.runs)]
+            runs = [one_run(backend, stub, singles, batch, long) for _ in range(a.runs)]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -189,11 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         "added_beyond_bare_rpc_p50_ms": (median["svc_single_p50_ms"] - median["raw_single_p50_ms"]
                                          - median["rpc_roundtrip_p50_ms"]),
         "single_throughput_ratio": median["svc_single_tok_s"] / median["raw_single_tok_s"],
+        "long_latency_ratio": median["svc_long_p50_ms"] / median["raw_long_p50_ms"],
         "batched_throughput_ratio": median["svc_batch_tok_s"] / median["raw_batch_tok_s"],
     }
     summary = {
         "benchmark": "tokenizer", "started": started, "runs": a.runs, "singles": a.singles,
-        "batch": a.batch, "workers": a.workers, "prompt_bytes": 1024,
+        "batch": a.batch, "workers": a.workers, "prompt_bytes": 1024, "long_prompts": a.long,
+        "long_prompt_bytes": LONG_BYTES,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_avg_at_end": os.getloadavg()},
         "note": "shared 2-core machine with other engineers' jobs running; compare ratios",
