@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,18 +30,13 @@ from controlplane import seed as seeding
 from controlplane.etcd_local import EtcdProcess
 from controlplane.store import ConfigStore
 from tokenserve.runtime.errors import ServiceError
+from tokenserve.runtime.ports import free_port
 from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default_model_path
 
 DEMO_TENANT = "demo"
 DEMO_TIER = "standard"
 # Services in start order; stopped in reverse.
 SERVICES = ("meter", "tokenizer", "engine", "gateway")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -60,7 +54,7 @@ class SuitePorts:
 
     @classmethod
     def ephemeral(cls) -> "SuitePorts":
-        return cls(**{name: _free_port() for name in cls.__dataclass_fields__})
+        return cls(**{name: free_port() for name in cls.__dataclass_fields__})
 
 
 @dataclass
