@@ -8,8 +8,9 @@ The library spreads a batch over its threads but encodes one text on one thread.
 pieces as a batch does not help here: the calling thread sleeps while the library's threads wake
 up, so each wake-up lands on the critical path (on a 2-core VM that was slower than one thread).
 Instead the calling thread starts on the pieces at once, helpers join as they wake, and a helper
-that has not started by the time the pieces are done is cancelled, never waited for. A 1 KB
-prompt encodes in ~65-75% of the one-thread time on 2 cores with cold caches (bench/tokenizer.py).
+that has not started by the time the pieces are done is cancelled, never waited for. On 2 cores
+a 16 KB prompt takes about half the one-thread time, RPC included (bench/tokenizer.py), and a
+1 KB one ~70% (in-process, caches cold as between a service's calls).
 
 Exact only where the pre-tokenizer never joins a word to the whitespace after it. `splittable`
 accepts byte-level BPE with GPT-2's split regex (optionally after Digits), no normalizer, no
@@ -27,7 +28,6 @@ so the regex's idea of whitespace cannot differ from ours on either side of the 
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import os
@@ -99,17 +99,12 @@ def split_text(text: str, pieces: int, *, min_chars: int = MIN_PIECE_CHARS) -> l
     return [text[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
-@functools.cache
-def _helper_pool(helpers: int) -> ThreadPoolExecutor:
-    # One pool for the process (every model's tokenizer), started on the first long text.
-    return ThreadPoolExecutor(helpers, thread_name_prefix="encode-piece")
-
-
 class PieceEncoder:
-    """Thread-safe; holds no per-text state."""
+    """Thread-safe; holds no per-text state. Its helper threads start with the first long text."""
 
     def __init__(self, threads: int):
         self.threads = threads
+        self._helpers = ThreadPoolExecutor(threads - 1, thread_name_prefix="encode-piece")
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer, *, threads: int | None = None) -> PieceEncoder | None:
@@ -131,8 +126,7 @@ class PieceEncoder:
             while (i := next(claim)) < len(pieces):
                 done[i] = tok.encode_batch_fast([pieces[i]], add_special_tokens=add_special_tokens)[0].ids
 
-        pool = _helper_pool(self.threads - 1)
-        helpers = [pool.submit(work) for _ in range(min(self.threads, len(pieces)) - 1)]
+        helpers = [self._helpers.submit(work) for _ in range(min(self.threads, len(pieces)) - 1)]
         work()
         for h in helpers:
             if not h.cancel():  # started: it holds a piece (or is about to see none are left)
