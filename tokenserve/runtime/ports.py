@@ -25,12 +25,13 @@ def _ephemeral_start() -> int:
 
 _TOP = _ephemeral_start()
 _LOW = max(1024, _TOP - _SPAN)
-_walk = itertools.count(random.randrange(_TOP - _LOW))  # next() is atomic under the GIL
+_walk = itertools.count(random.randrange(max(1, _TOP - _LOW)))  # next() is atomic under the GIL
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on now, that the kernel does not give to outgoing connections and
-    that no earlier call in this process returned."""
+    that no earlier call in this process returned (where the ephemeral range leaves room below
+    it; otherwise one the kernel picks)."""
     for _ in range(_TOP - _LOW):
         port = _LOW + next(_walk) % (_TOP - _LOW)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -39,4 +40,6 @@ def free_port(host: str = "127.0.0.1") -> int:
             except OSError:
                 continue
             return port
-    raise OSError(f"no free port in {_LOW}..{_TOP - 1}")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
