@@ -131,4 +131,7 @@ class PieceEncoder:
         for h in helpers:
             if not h.cancel():  # started: it holds a piece (or is about to see none are left)
                 h.result()
-        return [t for ids in done for t in ids]
+        ids = done[0]
+        for more in done[1:]:
+            ids += more
+        return ids
