@@ -27,7 +27,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,15 +40,10 @@ import grpc
 from tokenserve.engine.v1 import engine_pb2 as pb
 from tokenserve.engine.v1 import engine_pb2_grpc
 from tokenserve.models import default_model_path
+from tokenserve.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from tokenserve.models import default_model_path  # noqa: E402
+from tokenserve.runtime.ports import free_port  # noqa: E402
 from tokenserve.tokenization import load_model_tokenizer  # noqa: E402
 from tokenserve.tokenizer.v1 import tokenizer_pb2 as pb  # noqa: E402
 from tokenserve.tokenizer.v1 import tokenizer_pb2_grpc  # noqa: E402
@@ -58,12 +58,6 @@ def code_prompts(n: int, size: int = 1024) -> list[str]:
             if len(prompts) == n:
                 return prompts
     return prompts
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_service(port: int, workers: int) -> subprocess.Popen:

@@ -28,7 +28,7 @@ _LOW = max(1024, _TOP - _SPAN)
 _walk = itertools.count(random.randrange(max(1, _TOP - _LOW)))  # next() is atomic under the GIL
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port() -> int:
     """A port nobody listens on now, that the kernel does not give to outgoing connections and
     that no earlier call in this process returned (where the ephemeral range leaves room below
     it; otherwise one the kernel picks)."""
@@ -36,10 +36,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         port = _LOW + next(_walk) % (_TOP - _LOW)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
-                s.bind((host, port))
+                s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
