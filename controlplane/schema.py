@@ -292,6 +292,8 @@ class EngineRegistration:
     model: str
     version: str
     capacity: int  # max concurrent sequences
+    # Context length of the model the engine loaded (0: not reported, an older engine).
+    max_context: int = 0
 
     def __post_init__(self):
         c = _Check(self.key)
@@ -300,6 +302,7 @@ class EngineRegistration:
         c.name("model", self.model)
         c.name("version", self.version)
         c.number("capacity", self.capacity, integer=True, minimum=0, strict=True)
+        c.number("max_context", self.max_context, integer=True, minimum=0)
 
     @property
     def key(self) -> str:

@@ -12,26 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenserve import sampling
+
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """Validated sampling settings of one request (defaults: greedy, no penalties)."""
+class SamplingParams(sampling.SamplingParams):
+    """Validated sampling settings of one request, plus what the engine returns besides the
+    token (the controls themselves are defined once, in tokenserve.sampling)."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
     # Return the sampled token's logprob, with this many top alternatives.
     logprobs: bool = False
     top_logprobs: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 @dataclass

@@ -175,7 +175,7 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
         if ready is not None:
             ready.set()
         if config.etcd_endpoints:
-            await _register(config, server.port, registration)
+            await _register(config, server.port, servicer.info.max_context, registration)
 
     task = asyncio.create_task(load_then_serve())
     try:
@@ -185,7 +185,7 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
     return 1 if failed else 0
 
 
-async def _register(config: EngineConfig, port: int, out: list) -> None:
+async def _register(config: EngineConfig, port: int, max_context: int, out: list) -> None:
     """Registers under a lease; retries while etcd is unreachable (serving goes on)."""
     from controlplane.registry import register
     from controlplane.schema import EngineRegistration
@@ -194,7 +194,7 @@ async def _register(config: EngineConfig, port: int, out: list) -> None:
     reg = EngineRegistration(
         id=f"{config.model_name}-{config.version}-{socket.gethostname()}-{port}".replace("/", "-")[:128],
         endpoint=endpoint, model=config.model_name, version=config.version,
-        capacity=config.max_concurrency)
+        capacity=config.max_concurrency, max_context=max_context)
     while True:
         try:
             out.append(await register(list(config.etcd_endpoints), "engines", reg))

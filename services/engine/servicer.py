@@ -16,6 +16,7 @@ from services.engine.engine_loop import AsyncEngine
 from services.engine.interface import SamplingParams
 from services.engine.sequence import FinishReason, Sequence, StopCriteria
 from services.engine.validation import ModelLimits, validate_request
+from tokenserve import sampling
 from tokenserve.common.v1 import common_pb2
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.runtime.errors import ResourceExhausted, Unavailable
@@ -98,18 +99,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
 def sampling_from_pb(request: engine_pb2.GenerateRequest) -> SamplingParams:
     """Unset optional fields take the defaults (greedy, no penalties)."""
-    s = request.sampling
-    d = SamplingParams()
-
-    def opt(name):
-        return getattr(s, name) if s.HasField(name) else getattr(d, name)
-
-    return SamplingParams(
-        temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),
-        min_p=opt("min_p"), repetition_penalty=opt("repetition_penalty"),
-        presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
-        seed=s.seed if s.HasField("seed") else None,
-        logprobs=request.logprobs or request.top_logprobs > 0, top_logprobs=request.top_logprobs)
+    return SamplingParams(**sampling.set_fields(request.sampling),
+                          logprobs=request.logprobs or request.top_logprobs > 0,
+                          top_logprobs=request.top_logprobs)
 
 
 def response_to_pb(out: RequestOutput) -> engine_pb2.GenerateResponse:

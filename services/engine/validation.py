@@ -5,50 +5,19 @@ request never reaches the step thread.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from services.engine.interface import SamplingParams
 from tokenserve.runtime.errors import InvalidArgument
+from tokenserve.sampling import check_sampling, check_stop, check_top_logprobs
 
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
-PENALTY_LIMIT = 2.0
-MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
 class ModelLimits:
     max_context: int
     vocab_size: int
-
-
-def validate_sampling(p: SamplingParams) -> None:
-    _finite("sampling.temperature", p.temperature)
-    if p.temperature < 0:
-        raise InvalidArgument(f"sampling.temperature must be >= 0 (0 is greedy), got {p.temperature}")
-    _finite("sampling.top_p", p.top_p)
-    if not 0.0 < p.top_p <= 1.0:
-        raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {p.top_p}")
-    if p.top_k < 0:
-        raise InvalidArgument(f"sampling.top_k must be >= 0 (0 disables it), got {p.top_k}")
-    _finite("sampling.min_p", p.min_p)
-    if not 0.0 <= p.min_p <= 1.0:
-        raise InvalidArgument(f"sampling.min_p must be in [0, 1], got {p.min_p}")
-    _finite("sampling.repetition_penalty", p.repetition_penalty)
-    if not 0.0 < p.repetition_penalty <= MAX_REPETITION_PENALTY:
-        raise InvalidArgument("sampling.repetition_penalty must be in (0, "
-                              f"{MAX_REPETITION_PENALTY:g}] (1 disables it), got {p.repetition_penalty}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(p, name)
-        _finite(f"sampling.{name}", v)
-        if not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
-            raise InvalidArgument(f"sampling.{name} must be in [-{PENALTY_LIMIT:g}, "
-                                  f"{PENALTY_LIMIT:g}], got {v}")
-    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
 
 
 def validate_request(prompt_token_ids: list[int], sampling: SamplingParams, max_tokens: int,
@@ -65,22 +34,13 @@ def validate_request(prompt_token_ids: list[int], sampling: SamplingParams, max_
     if n + max_tokens > ctx:
         raise InvalidArgument(f"max_tokens {max_tokens} plus the {n} prompt tokens exceeds the model"
                               f" context of {ctx} tokens; max_tokens may be at most {ctx - n}")
-    validate_sampling(sampling)
-    if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
-    for i, s in enumerate(stop):
-        if not s or len(s) > MAX_STOP_STRING_CHARS:
-            raise InvalidArgument(f"stop[{i}] must have 1 to {MAX_STOP_STRING_CHARS} characters,"
-                                  f" got {len(s)}")
+    check_sampling(sampling)
+    check_top_logprobs(sampling.top_logprobs)
+    check_stop(stop)
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidArgument(f"stop_token_ids has {len(stop_token_ids)} ids; at most"
                               f" {MAX_STOP_TOKEN_IDS} are allowed")
     _check_ids("stop_token_ids", stop_token_ids, vocab)
-
-
-def _finite(name: str, v: float) -> None:
-    if not math.isfinite(v):
-        raise InvalidArgument(f"{name} must be a finite number, got {v}")
 
 
 def _check_ids(name: str, ids: list[int], vocab: int) -> None:

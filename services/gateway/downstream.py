@@ -11,6 +11,7 @@ import grpc
 
 from services.gateway.spool import UsageRecord
 from services.gateway.validation import InferenceRequest
+from tokenserve import sampling
 from tokenserve.common.v1 import common_pb2
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
@@ -65,13 +66,9 @@ class TokenizerClient:
 
 def engine_request(req: InferenceRequest, prompt_ids: Sequence[int], *, priority: int,
                    tenant_id: str) -> engine_pb2.GenerateRequest:
-    s = req.sampling
-    sampling = common_pb2.SamplingParams(**{
-        name: getattr(s, name) for name in (
-            "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "seed") if getattr(s, name) is not None})
     return engine_pb2.GenerateRequest(
-        request_id=req.request_id, prompt_token_ids=list(prompt_ids), sampling=sampling,
+        request_id=req.request_id, prompt_token_ids=list(prompt_ids),
+        sampling=sampling.to_pb(req.sampling),
         max_tokens=req.max_tokens, stop=list(req.stop), logprobs=req.logprobs,
         top_logprobs=req.top_logprobs, priority=priority, tenant_id=tenant_id)
 

@@ -11,9 +11,14 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
+import structlog
+
 from controlplane.snapshot import ConfigSnapshot
 from services.gateway.config import StaticEngine
 from tokenserve.runtime.errors import NotFound, Unavailable
+
+# Lazy: resolved at first use, after configure_logging (JSON lines).
+log = structlog.get_logger(component="routing")
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Router:
         self._rng = rng or random.Random()
         # endpoint -> prompt + max_tokens of requests in flight there.
         self._outstanding: dict[str, int] = {}
+        self._warned_context: set[str] = set()
 
     # -- what exists ----------------------------------------------------------------------
     def _engines(self, snap: ConfigSnapshot, model: str) -> dict[str, list[str]]:
@@ -64,12 +70,24 @@ class Router:
             out.append(ModelInfo(name, versions, self.max_context(snap, name)))
         return out
 
-    def max_context(self, snap: ConfigSnapshot, model: str, version: str | None = None) -> int:
+    def max_context(self, snap: ConfigSnapshot, model: str) -> int:
+        """The context a request for `model` must fit: the smaller of the model spec's (etcd)
+        and the smallest any live engine of the model reported for the model it loaded; 0
+        when neither is known. A disagreement is logged once per engine."""
         spec = snap.models.get(model)
-        if spec is None:
-            return 0
-        mv = spec.versions.get(version or spec.default_version)
-        return mv.max_context if mv else 0
+        mv = spec.versions.get(spec.default_version) if spec else None
+        configured = mv.max_context if mv else 0
+        limits = [configured] if configured else []
+        for e in snap.engines_for(model):
+            if not e.max_context:
+                continue
+            limits.append(e.max_context)
+            if configured and e.max_context != configured and e.id not in self._warned_context:
+                self._warned_context.add(e.id)
+                log.warning("engine_context_mismatch", engine=e.id, model=model,
+                            engine_max_context=e.max_context, configured_max_context=configured,
+                            using=min(e.max_context, configured))
+        return min(limits, default=0)
 
     def resolve_model(self, snap: ConfigSnapshot, name: str) -> str:
         """The model to serve for a request's `model` field (empty: the default)."""

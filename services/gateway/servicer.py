@@ -8,24 +8,24 @@ from contextlib import aclosing
 from services.gateway import metrics
 from services.gateway.auth import Caller, authenticate
 from services.gateway.inference import Chunk, Pipeline
-from services.gateway.validation import (InferenceRequest, Message, Sampling, check_messages,
+from services.gateway.validation import (InferenceRequest, Message, check_messages,
                                          check_prompt, validate)
+from tokenserve import sampling
 from tokenserve.common.v1 import common_pb2
 from tokenserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tokenserve.runtime.errors import ServiceError
+from tokenserve.sampling import SamplingParams
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed")
+# Controls the public requests also take at the top level (the common ones, as in OpenAI's API).
+_TOP_LEVEL_SAMPLING = ("temperature", "top_p", "top_k", "seed")
 
 
-def _sampling(request) -> Sampling:
+def _sampling(request) -> SamplingParams:
     """Top-level temperature/top_p/top_k/seed, overridden by fields set in `sampling`."""
-    values = {name: getattr(request, name) for name in ("temperature", "top_p", "top_k", "seed")
+    values = {name: getattr(request, name) for name in _TOP_LEVEL_SAMPLING
               if request.HasField(name)}
-    if request.HasField("sampling"):
-        values.update({name: getattr(request.sampling, name) for name in _SAMPLING_FIELDS
-                       if request.sampling.HasField(name)})
-    return Sampling(**values)
+    values.update(sampling.set_fields(request.sampling))
+    return SamplingParams(**values)
 
 
 def _messages(pb_messages) -> tuple[Message, ...]:

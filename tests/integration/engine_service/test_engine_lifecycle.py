@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -34,6 +35,11 @@ async def test_full_queue_is_resource_exhausted_and_sigterm_drains_then_exits(tm
                 break
             await asyncio.sleep(0.1)
         assert len(regs) == 1 and f"127.0.0.1:{proc.port}".encode() in regs[0]
+        # The engine registers the context of the model it really loaded.
+        async with grpc.aio.insecure_channel(proc.target) as ch:
+            info = await engine_pb2_grpc.EngineServiceStub(ch).GetInfo(pb.GetInfoRequest())
+        assert info.max_context > 0
+        assert json.loads(regs[0])["max_context"] == info.max_context
         async with grpc.aio.insecure_channel(proc.target) as ch:
             stub = engine_pb2_grpc.EngineServiceStub(ch)
             long = pb.GenerateRequest(prompt_token_ids=[500, 501], max_tokens=600, ignore_eos=True)

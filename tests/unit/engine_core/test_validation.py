@@ -46,7 +46,7 @@ def test_a_good_request_passes():
     (dict(prompt=[1, 50]), ["prompt_token_ids[1]", "[0, 50)"]),
     (dict(prompt=[-1]), ["prompt_token_ids[0]", "[0, 50)"]),
     (dict(stop_ids=[7, 99]), ["stop_token_ids[1]", "[0, 50)"]),
-    (dict(stop=[""]), ["stop[0]", "1 to 256"]),
+    (dict(stop=[""]), ["stop[0]", "1-256"]),
     (dict(stop=["x"] * 17), ["stop", "16"]),
 ])
 def test_bad_inputs_name_the_field_and_the_limit(kwargs, words):

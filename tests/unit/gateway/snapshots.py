@@ -9,7 +9,7 @@ MODEL = "tiny"
 
 
 def build(*, routes=None, engines=(), tenants=None, keys=(), max_context=64,
-          revision=1) -> ConfigSnapshot:
+          engine_max_context=0, revision=1) -> ConfigSnapshot:
     docs = {}
     for tier in (Tier("free", 10, 20_000, 1_000_000, 4, 0, 16),
                  Tier("premium", 200, 400_000, 20_000_000, 64, 2, 32)):
@@ -24,7 +24,8 @@ def build(*, routes=None, engines=(), tenants=None, keys=(), max_context=64,
     for r in routes if routes is not None else (Route(MODEL, {"v1": 1}),):
         docs[r.key] = r
     for i, (version, endpoint) in enumerate(engines):
-        e = EngineRegistration(f"engine-{i}", endpoint, MODEL, version, 8)
+        e = EngineRegistration(f"engine-{i}", endpoint, MODEL, version, 8,
+                               max_context=engine_max_context)
         docs[e.key] = e
     return ConfigSnapshot.from_documents(revision, docs)
 

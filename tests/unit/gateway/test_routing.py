@@ -79,3 +79,13 @@ def test_unknown_model_is_not_found_and_lists_the_models():
 def test_model_listing_shows_route_weights_and_context():
     (info,) = router().models(build(routes=[Route(MODEL, {"v1": 3, "v2": 1})], max_context=64))
     assert (info.name, info.versions, info.max_context) == (MODEL, (("v1", 3), ("v2", 1)), 64)
+
+
+@pytest.mark.parametrize("configured, engine, expected", [
+    (64, 0, 64),      # an engine that reports nothing: the control plane's figure
+    (64, 48, 48),     # the engine loaded a shorter model than etcd says: the engine's
+    (64, 2048, 64),   # etcd is stricter: etcd's
+])
+def test_the_context_limit_is_the_smaller_of_etcd_and_the_engines(configured, engine, expected):
+    snap = build(engines=[("v1", "h:1")], max_context=configured, engine_max_context=engine)
+    assert router().max_context(snap, MODEL) == expected

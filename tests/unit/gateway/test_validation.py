@@ -5,9 +5,10 @@ import dataclasses
 
 import pytest
 
-from services.gateway.validation import (InferenceRequest, Message, Sampling, check_context,
+from services.gateway.validation import (InferenceRequest, Message, check_context,
                                          validate)
 from tokenserve.runtime.errors import InvalidArgument
+from tokenserve.sampling import SamplingParams
 
 GOOD = InferenceRequest(model="", max_tokens=8, prompt="hello")
 CHAT = InferenceRequest(model="", max_tokens=8, messages=(Message("user", "hi"),))
@@ -28,15 +29,15 @@ def test_good_requests_get_a_request_id():
     ({"max_tokens": 0}, "max_tokens must be >= 1"),
     ({"max_tokens": -3}, "max_tokens must be >= 1"),
     ({"max_tokens": 17}, "free tier allows at most 16"),
-    ({"sampling": Sampling(temperature=-0.1)}, "temperature"),
-    ({"sampling": Sampling(temperature=float("nan"))}, "temperature"),
-    ({"sampling": Sampling(top_p=0.0)}, "top_p"),
-    ({"sampling": Sampling(top_p=1.5)}, "top_p"),
-    ({"sampling": Sampling(top_k=-1)}, "top_k"),
-    ({"sampling": Sampling(min_p=2.0)}, "min_p"),
-    ({"sampling": Sampling(repetition_penalty=0.0)}, "repetition_penalty"),
-    ({"sampling": Sampling(presence_penalty=3.0)}, "presence_penalty"),
-    ({"stop": tuple("abcdefghi")}, "at most 8"),
+    ({"sampling": SamplingParams(temperature=-0.1)}, "temperature"),
+    ({"sampling": SamplingParams(temperature=float("nan"))}, "temperature"),
+    ({"sampling": SamplingParams(top_p=0.0)}, "top_p"),
+    ({"sampling": SamplingParams(top_p=1.5)}, "top_p"),
+    ({"sampling": SamplingParams(top_k=-1)}, "top_k"),
+    ({"sampling": SamplingParams(min_p=2.0)}, "min_p"),
+    ({"sampling": SamplingParams(repetition_penalty=0.0)}, "repetition_penalty"),
+    ({"sampling": SamplingParams(presence_penalty=3.0)}, "presence_penalty"),
+    ({"stop": tuple("abcdefghijklmnopq")}, "at most 16"),
     ({"stop": ("",)}, r"stop\[0\]"),
     ({"top_logprobs": 21}, "top_logprobs"),
     ({"request_id": "has space"}, "request_id"),
