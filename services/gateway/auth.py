@@ -11,6 +11,7 @@ from typing import Iterable
 
 from controlplane.schema import hash_api_key
 from controlplane.snapshot import ConfigSnapshot
+from services.gateway.admission import Limits
 from tokenserve.runtime.errors import PermissionDenied, Unauthenticated
 
 MISSING_METADATA = ("missing authorization metadata: send 'authorization: Bearer ts-...'")
@@ -25,6 +26,8 @@ class Caller:
     max_tokens: int
     # First characters of the key, safe to log.
     key_prefix: str
+    # What admission enforces for this tenant (tier + overrides).
+    limits: Limits
 
 
 def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
@@ -46,7 +49,8 @@ def authenticate(snapshot: ConfigSnapshot, metadata) -> Caller:
         _refuse(snapshot, key)
     record, tenant, tier = found
     return Caller(tenant_id=tenant.id, tier=tier.name, priority=tier.priority,
-                  max_tokens=tier.max_tokens, key_prefix=record.display_prefix)
+                  max_tokens=tier.max_tokens, key_prefix=record.display_prefix,
+                  limits=Limits.of(tier))
 
 
 def _refuse(snapshot: ConfigSnapshot, key: str):

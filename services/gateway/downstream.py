@@ -1,11 +1,14 @@
-"""Calls to the services behind the gateway: tokenizer, engines, meter.
+"""Calls to the services behind the gateway: tokenizer, engines, meter. Protobuf and grpc
+stop here: the pipeline sees only the plain types below and ServiceErrors.
 
 One channel per engine endpoint, kept for the life of the gateway (a channel is cheap when
 idle, and closing one under a request still streaming from it would cut that request).
 """
 from __future__ import annotations
 
-from typing import Sequence
+import enum
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
 
 import grpc
 
@@ -16,7 +19,7 @@ from tokenserve.common.v1 import common_pb2
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
 from tokenserve.runtime.channels import aio_channel
-from tokenserve.runtime.errors import from_rpc_error
+from tokenserve.runtime.errors import ServiceError, from_rpc_error
 from tokenserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 
@@ -64,6 +67,57 @@ class TokenizerClient:
         return resp.count
 
 
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+_FINISH_FROM_PB = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+                   common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+                   common_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
+                   common_pb2.FINISH_REASON_ERROR: FinishReason.ERROR}
+FINISH_TO_PB = {v: k for k, v in _FINISH_FROM_PB.items()}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # (token id, logprob) of the top alternatives, most likely first.
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineChunk:
+    """One engine message; the last one has `finish_reason` and the engine's accounting."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    cached_tokens: int = 0
+    energy_joules: float = 0.0
+    energy_estimated: bool = False
+
+
+class EngineRefused(Exception):
+    """The engine answered before doing any work for the request: nothing to bill.
+    `retryable`: another replica may take it (unreachable or full)."""
+
+    def __init__(self, error: ServiceError, *, retryable: bool):
+        super().__init__(error.message)
+        self.error = error
+        self.retryable = retryable
+
+
+# Codes an engine answers with before any compute: it was not reached, was full, or refused
+# the input in its validation. Before the first message they mean "no work was done".
+_NO_WORK = {grpc.StatusCode.UNAVAILABLE: True, grpc.StatusCode.RESOURCE_EXHAUSTED: True,
+            grpc.StatusCode.INVALID_ARGUMENT: False, grpc.StatusCode.FAILED_PRECONDITION: False}
+
+
 def engine_request(req: InferenceRequest, prompt_ids: Sequence[int], *, priority: int,
                    tenant_id: str) -> engine_pb2.GenerateRequest:
     return engine_pb2.GenerateRequest(
@@ -73,8 +127,46 @@ def engine_request(req: InferenceRequest, prompt_ids: Sequence[int], *, priority
         top_logprobs=req.top_logprobs, priority=priority, tenant_id=tenant_id)
 
 
-def engine_stub(channel: grpc.aio.Channel) -> engine_pb2_grpc.EngineServiceStub:
-    return engine_pb2_grpc.EngineServiceStub(channel)
+def _chunk(resp: engine_pb2.GenerateResponse) -> EngineChunk:
+    return EngineChunk(
+        text=resp.text, token_ids=tuple(resp.token_ids),
+        logprobs=tuple(TokenLogprob(lp.token_id, lp.logprob,
+                                    tuple((t.token_id, t.logprob) for t in lp.top))
+                       for lp in resp.logprobs),
+        finish_reason=_FINISH_FROM_PB.get(resp.finish_reason),
+        cached_tokens=resp.usage.cached_tokens, energy_joules=resp.energy_joules,
+        energy_estimated=resp.energy_estimated)
+
+
+class EngineClient:
+    """Streams a generation from one engine replica. Leaving the iteration early (caller
+    cancel, deadline) cancels the call, which frees the request's KV blocks on the engine.
+
+    Errors: `EngineRefused` when the engine did no work (before the first message);
+    otherwise the engine's status as a ServiceError naming the engine."""
+
+    def __init__(self, channels: Channels):
+        self._channels = channels
+
+    async def generate(self, endpoint: str, req: InferenceRequest, prompt_ids: Sequence[int],
+                       *, priority: int, tenant_id: str,
+                       timeout: float) -> AsyncIterator[EngineChunk]:
+        stub = engine_pb2_grpc.EngineServiceStub(self._channels.get(endpoint))
+        call = stub.Generate(engine_request(req, prompt_ids, priority=priority,
+                                            tenant_id=tenant_id), timeout=timeout)
+        first = True
+        try:
+            async for resp in call:
+                first = False
+                yield _chunk(resp)
+        except grpc.RpcError as e:
+            error = from_rpc_error(e, context=f"engine {endpoint}")
+            code = e.code() if hasattr(e, "code") else None
+            if first and code in _NO_WORK:
+                raise EngineRefused(error, retryable=_NO_WORK[code]) from None
+            raise error from None
+        finally:
+            call.cancel()
 
 
 class MeterClient:

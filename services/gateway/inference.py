@@ -1,12 +1,15 @@
-"""One request through the pipeline: tokenize, route, stream from an engine, record usage.
+"""One request through the pipeline: tokenize, admit, route, stream from an engine, settle.
 
     async with aclosing(pipeline.stream(caller, request, timeout)) as chunks:
         async for chunk in chunks: ...
 
-Closing the stream early (client cancel, deadline) cancels the engine call, which frees the
-request's KV blocks. The usage record is committed to the spool before the last chunk is
-handed out, and also written (status CANCELLED or the error code) when the request ends
-any other way after an engine call started.
+Admission reserves prompt + max_tokens before any engine work and is settled when the
+request ends, however it ends, to the tokens the usage record bills (nothing when no engine
+did any work). Closing the stream early (client cancel, deadline) cancels the engine call,
+which frees the request's KV blocks. The usage record is committed to the spool before the
+last chunk is handed out, and also written (status CANCELLED or the error code) when the
+request ends any other way after an engine took it. No protobuf or grpc here: the engine
+client and the adapters convert.
 """
 from __future__ import annotations
 
@@ -14,31 +17,30 @@ import asyncio
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
 
-import grpc
 import structlog
 
 from controlplane.snapshot import ConfigSnapshot
 from services.gateway import metrics
+from services.gateway.admission import Quota, check_fits
 from services.gateway.auth import Caller
-from services.gateway.downstream import (Channels, TokenizerClient, engine_request,
-                                         engine_stub)
-from services.gateway.routing import Router, Target
+from services.gateway.downstream import (EngineChunk, EngineClient, EngineRefused,
+                                         FinishReason, TokenizerClient, TokenLogprob)
+from services.gateway.quota_store import QuotaStore
+from services.gateway.routing import Router
 from services.gateway.spool import SpoolSender, UsageRecord, UsageSpool
 from services.gateway.validation import InferenceRequest, check_context
-from tokenserve.common.v1 import common_pb2
-from tokenserve.runtime.errors import (DeadlineExceeded, ServiceError, Unavailable,
-                                       from_rpc_error)
+from tokenserve.runtime.errors import (DeadlineExceeded, ResourceExhausted, ServiceError,
+                                       Unavailable)
 
 # Lazy: resolved at first use, after configure_logging (JSON lines).
 log = structlog.get_logger(component="inference")
 
 
 # How an engine-reported finish is written in the usage record's status.
-_FINISH_STATUS = {common_pb2.FINISH_REASON_CANCELLED: "CANCELLED",
-                  common_pb2.FINISH_REASON_ERROR: "UNKNOWN"}
+_FINISH_STATUS = {FinishReason.CANCELLED: "CANCELLED", FinishReason.ERROR: "UNKNOWN"}
 
 
 class ConfigSource(Protocol):
@@ -55,13 +57,14 @@ class Chunk:
     text: str
     token_ids: list[int]
     request_id: str
-    # Engine logprob messages, passed through unchanged (common.v1.TokenLogprob).
-    logprobs: list[Any] = field(default_factory=list)
-    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     model_version: str = ""
+    # On the first chunk: what is left of the tenant's limits after admitting this request.
+    quota: Quota | None = None
 
 
 class _Progress:
@@ -75,6 +78,7 @@ class _Progress:
         self.cached_tokens = 0
         self.energy_joules = 0.0
         self.energy_estimated = False
+        # An engine took the request (did work): it is billed and metered.
         self.engine_called = False
         self.recorded = False
         self.started_at = time.time()
@@ -89,15 +93,21 @@ class _Progress:
             started_at=self.started_at, finished_at=max(time.time(), self.started_at),
             energy_joules=self.energy_joules, energy_estimated=self.energy_estimated)
 
+    @property
+    def billed_tokens(self) -> int:
+        """What the request costs the tenant: what its usage record bills."""
+        return self.prompt_tokens + self.completion_tokens if self.engine_called else 0
+
 
 class Pipeline:
     def __init__(self, config: ConfigSource, router: Router, tokenizer: TokenizerClient,
-                 channels: Channels, spool: UsageSpool, sender: SpoolSender | None, *,
-                 max_engine_attempts: int = 3):
+                 engines: EngineClient, quotas: QuotaStore, spool: UsageSpool,
+                 sender: SpoolSender | None, *, max_engine_attempts: int = 3):
         self._config = config
         self.router = router
         self.tokenizer = tokenizer
-        self._channels = channels
+        self._engines = engines
+        self._quotas = quotas
         self._spool = spool
         self._sender = sender
         self._max_attempts = max_engine_attempts
@@ -132,11 +142,21 @@ class Pipeline:
         self.router.check_available(snap, model)
         prompt_ids = await self.tokenizer.encode(model, req, left())
         check_context(len(prompt_ids), req.max_tokens, self.router.max_context(snap, model))
+        cost = len(prompt_ids) + req.max_tokens
+        check_fits(caller.limits, cost, req.max_tokens)
+        try:
+            reservation, quota = await self._quotas.admit(caller.tenant_id, caller.limits,
+                                                          req.request_id, cost, left())
+        except ResourceExhausted as e:
+            metrics.ADMISSION_REJECTIONS.labels(caller.tier, e.limit or "other").inc()
+            raise
         progress = _Progress(caller, req, model, len(prompt_ids))
         status = "UNKNOWN"
         try:
             async with aclosing(self._generate(snap, progress, prompt_ids, left, arrived)) as gen:
                 async for chunk in gen:
+                    if quota is not None:
+                        chunk.quota, quota = quota, None
                     yield chunk
             status = "OK"
         except ServiceError as e:
@@ -148,72 +168,77 @@ class Pipeline:
         finally:
             if progress.engine_called:
                 self._spool_usage(progress, status)
+            await self._quotas.settle(reservation, progress.billed_tokens)
 
     async def _generate(self, snap: ConfigSnapshot, progress: _Progress, prompt_ids: list[int],
                         left, arrived: float) -> AsyncIterator[Chunk]:
         caller, req = progress.caller, progress.req
-        request = engine_request(req, prompt_ids, priority=caller.priority,
-                                 tenant_id=caller.tenant_id)
         cost = len(prompt_ids) + req.max_tokens
         failed: set[str] = set()
+        refusal: ServiceError | None = None
         for attempt in range(self._max_attempts):
-            target = self.router.choose(snap, progress.model, tenant_id=caller.tenant_id,
-                                        exclude=frozenset(failed))
+            try:
+                target = self.router.choose(snap, progress.model, tenant_id=caller.tenant_id,
+                                            exclude=frozenset(failed))
+            except Unavailable:
+                if refusal is not None:  # every replica refused: say why the last one did
+                    raise refusal from None
+                raise
             self.router.acquire(target.endpoint, cost)
             progress.version = target.version
             progress.engine_called = True
-            call = engine_stub(self._channels.get(target.endpoint)).Generate(
-                request, timeout=left())
             first = True
             try:
-                async for resp in call:
-                    chunk = self._chunk(progress, target, resp)
-                    if first:
-                        first = False
-                        metrics.TIME_TO_FIRST_TOKEN.labels(caller.tier).observe(
-                            time.monotonic() - arrived)
-                    if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                        # Durable before the caller learns the request is complete.
-                        self._spool_usage(progress, _FINISH_STATUS.get(chunk.finish_reason, "OK"))
-                        yield chunk
-                        return
-                    if chunk.text or chunk.token_ids or chunk.logprobs:
-                        yield chunk
+                async with aclosing(self._engines.generate(
+                        target.endpoint, req, prompt_ids, priority=caller.priority,
+                        tenant_id=caller.tenant_id, timeout=left())) as chunks:
+                    async for engine_chunk in chunks:
+                        chunk = self._chunk(progress, target.version, engine_chunk)
+                        if first:
+                            first = False
+                            metrics.TIME_TO_FIRST_TOKEN.labels(caller.tier).observe(
+                                time.monotonic() - arrived)
+                        if chunk.finish_reason is not None:
+                            # Durable before the caller learns the request is complete.
+                            self._spool_usage(progress,
+                                              _FINISH_STATUS.get(chunk.finish_reason, "OK"))
+                            yield chunk
+                            return
+                        if chunk.text or chunk.token_ids or chunk.logprobs:
+                            yield chunk
                 raise Unavailable(f"engine {target.endpoint} ended the stream without a"
                                   " finish reason")
-            except grpc.RpcError as e:
-                code = e.code() if hasattr(e, "code") else None
-                unreached = code == grpc.StatusCode.UNAVAILABLE and first
-                if unreached:
-                    # The engine took no work (not reached, or refused): nothing to meter.
-                    progress.engine_called = False
-                if unreached and attempt + 1 < self._max_attempts:
-                    failed.add(target.endpoint)
+            except EngineRefused as e:
+                # The engine took no work (not reached, full, or refused the input): not billed.
+                progress.engine_called = False
+                if not e.retryable:
+                    raise e.error from None
+                refusal = e.error
+                failed.add(target.endpoint)
+                if attempt + 1 < self._max_attempts:
                     metrics.ENGINE_RETRIES.inc()
-                    log.warning("engine_unavailable_retrying", request_id=req.request_id,
-                                endpoint=target.endpoint, attempt=attempt + 1)
-                    continue
-                raise from_rpc_error(e, context=f"engine {target.version}") from None
+                    log.warning("engine_refused_retrying", request_id=req.request_id,
+                                endpoint=target.endpoint, attempt=attempt + 1,
+                                code=e.error.code.name)
             finally:
-                call.cancel()
                 self.router.release(target.endpoint, cost)
-        raise Unavailable(f"no engine for model {progress.model!r} answered")
+        raise refusal or Unavailable(f"no engine for model {progress.model!r} answered")
 
     @staticmethod
-    def _chunk(progress: _Progress, target: Target, resp) -> Chunk:
+    def _chunk(progress: _Progress, version: str, resp: EngineChunk) -> Chunk:
         progress.completion_tokens += len(resp.token_ids)
         metrics.TOKENS_STREAMED.labels(progress.caller.tier).inc(len(resp.token_ids))
         chunk = Chunk(text=resp.text, token_ids=list(resp.token_ids),
-                      request_id=progress.req.request_id, logprobs=list(resp.logprobs),
+                      request_id=progress.req.request_id, logprobs=resp.logprobs,
                       finish_reason=resp.finish_reason)
-        if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-            progress.cached_tokens = resp.usage.cached_tokens
+        if resp.finish_reason is not None:
+            progress.cached_tokens = resp.cached_tokens
             progress.energy_joules = resp.energy_joules
             progress.energy_estimated = resp.energy_estimated
             chunk.prompt_tokens = progress.prompt_tokens
             chunk.completion_tokens = progress.completion_tokens
             chunk.cached_tokens = min(progress.cached_tokens, progress.prompt_tokens)
-            chunk.model_version = target.version
+            chunk.model_version = version
         return chunk
 
     async def count_tokens(self, req: InferenceRequest, timeout: float) -> int:

@@ -14,8 +14,9 @@ from controlplane.schema import GatewayRegistration
 from controlplane.watcher import ConfigWatcher
 from services.gateway import metrics
 from services.gateway.config import GatewayConfig, StaticEngine
-from services.gateway.downstream import Channels, MeterClient, TokenizerClient
+from services.gateway.downstream import Channels, EngineClient, MeterClient, TokenizerClient
 from services.gateway.inference import ConfigSource, Pipeline
+from services.gateway.quota_store import MemoryQuotaStore, QuotaStore, RedisQuotaStore
 from services.gateway.routing import Router
 from services.gateway.servicer import InferenceServicer
 from services.gateway.spool import SpoolSender, UsageSpool
@@ -49,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--default-model", default=GatewayConfig.default_model)
     p.add_argument("--request-timeout", type=float, default=30.0,
                    help="seconds allowed to a call that carries no deadline")
+    p.add_argument("--quota-store", default="memory", metavar="memory|redis://HOST:PORT/DB",
+                   help="where admission counters live: this process (one gateway) or Redis"
+                        " shared by several gateways")
+    p.add_argument("--quota-fail", choices=("closed", "open"), default="closed",
+                   help="with Redis unreachable: refuse requests (closed) or admit against this"
+                        " gateway's share of each limit (open)")
     p.add_argument("--gateway-id", default="", help="registration id in etcd (default: host-port)")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
@@ -59,10 +66,18 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             tokenizer=a.tokenizer, meter=a.meter,
             engines=tuple(StaticEngine.parse(e) for e in a.engine),
             snapshot_path=a.snapshot, spool_path=a.spool, default_model=a.default_model,
-            request_timeout_seconds=a.request_timeout, gateway_id=a.gateway_id,
+            request_timeout_seconds=a.request_timeout, quota_store=a.quota_store,
+            quota_fail=a.quota_fail, gateway_id=a.gateway_id,
             log_level=a.log_level)
     except ValueError as e:
         p.error(str(e))
+
+
+def quota_store(config: GatewayConfig, source: ConfigSource) -> QuotaStore:
+    if config.quota_store == "memory":
+        return MemoryQuotaStore()
+    return RedisQuotaStore(config.quota_store, fail=config.quota_fail,
+                           live_gateways=lambda: len(source.snapshot.gateways))
 
 
 def build(config: GatewayConfig, source: ConfigSource) -> tuple[GrpcServer, SpoolSender]:
@@ -77,13 +92,15 @@ def build(config: GatewayConfig, source: ConfigSource) -> tuple[GrpcServer, Spoo
                          on_sent=lambda n: (metrics.USAGE_EVENTS_SENT.inc(n),
                                             metrics.USAGE_EVENTS_SPOOLED.dec(n)))
     channels = Channels()
+    quotas = quota_store(config, source)
     pipeline = Pipeline(source, Router(config.engines, config.default_model),
-                        TokenizerClient(tokenizer_channel), channels, spool, sender,
-                        max_engine_attempts=config.max_engine_attempts)
+                        TokenizerClient(tokenizer_channel), EngineClient(channels), quotas,
+                        spool, sender, max_engine_attempts=config.max_engine_attempts)
 
     async def close_all():
         await sender.stop()
         spool.close()
+        await quotas.close()
         await channels.close()
         await meter_channel.close()
         await tokenizer_channel.close()

@@ -21,3 +21,15 @@ USAGE_EVENTS_SENT = Counter("tokenserve_gateway_usage_events_sent_total",
                             "Usage events the meter acknowledged")
 USAGE_EVENTS_SPOOLED = Gauge("tokenserve_gateway_usage_spool_events",
                              "Usage events waiting in the local spool for the meter")
+ADMISSION_REJECTIONS = Counter("tokenserve_gateway_admission_rejections_total",
+                               "Requests refused by a tier limit, by tier and limit",
+                               ["tier", "limit"])
+QUOTA_STORE_ERRORS = Counter("tokenserve_gateway_quota_store_errors_total",
+                             "Calls to the shared quota store (Redis) that failed, by fail mode",
+                             ["fail"])
+QUOTA_FALLBACK_ADMISSIONS = Counter(
+    "tokenserve_gateway_quota_fallback_admissions_total",
+    "Requests admitted against this gateway's local share while the quota store was down")
+QUOTA_SETTLE_FAILURES = Counter(
+    "tokenserve_gateway_quota_settle_failures_total",
+    "Settlements the quota store missed (the unused tokens of those requests stay spent)")

@@ -7,6 +7,7 @@ from contextlib import aclosing
 
 from services.gateway import metrics
 from services.gateway.auth import Caller, authenticate
+from services.gateway.downstream import FINISH_TO_PB, TokenLogprob
 from services.gateway.inference import Chunk, Pipeline
 from services.gateway.validation import (InferenceRequest, Message, check_messages,
                                          check_prompt, validate)
@@ -41,13 +42,18 @@ def request_from_pb(request, *, chat: bool) -> InferenceRequest:
         app=request.app, logprobs=request.logprobs, top_logprobs=request.top_logprobs)
 
 
+def _logprob_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=[
+        common_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+
+
 def chunk_to_pb(chunk: Chunk, *, first: bool) -> gateway_pb2.GenerateResponse:
-    last = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    last = chunk.finish_reason is not None
     resp = gateway_pb2.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids,
-                                        logprobs=chunk.logprobs,
+                                        logprobs=[_logprob_pb(lp) for lp in chunk.logprobs],
                                         request_id=chunk.request_id if first or last else "")
     if last:
-        resp.finish_reason = chunk.finish_reason
+        resp.finish_reason = FINISH_TO_PB[chunk.finish_reason]
         resp.usage.CopyFrom(common_pb2.Usage(prompt_tokens=chunk.prompt_tokens,
                                              completion_tokens=chunk.completion_tokens,
                                              cached_tokens=chunk.cached_tokens))
@@ -77,6 +83,8 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
             first = True
             async with aclosing(self._pipeline.stream(caller, req, self._timeout(context))) as s:
                 async for chunk in s:
+                    if chunk.quota is not None:
+                        await context.send_initial_metadata(chunk.quota.metadata())
                     yield chunk_to_pb(chunk, first=first)
                     first = False
         except ServiceError as e:

@@ -7,6 +7,8 @@ INTERNAL.
 """
 from __future__ import annotations
 
+import math
+
 import grpc
 
 
@@ -53,17 +55,42 @@ class Cancelled(ServiceError):
     code = grpc.StatusCode.CANCELLED
 
 
+class AlreadyExists(ServiceError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class ResourceExhausted(ServiceError):
-    """A limit was hit; `retry_after` (seconds) goes to the caller as `retry-after-ms`."""
+    """A limit was hit. Goes to the caller as trailing metadata: `retry-after-ms` (`retry_after`
+    seconds, rounded up; "unknown" when a limit was named but no time can be promised),
+    `limit` (which one: rps, tpm, daily, concurrency, ...) and `limit-remaining`."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    def __init__(self, message: str, *, retry_after: float | None = None):
-        md = ()
+    def __init__(self, message: str, *, retry_after: float | None = None,
+                 limit: str | None = None, remaining: int | None = None):
+        md: list[tuple[str, str]] = []
         if retry_after is not None:
-            md = (("retry-after-ms", str(max(0, int(retry_after * 1000)))),)
-        super().__init__(message, metadata=md)
+            md.append(("retry-after-ms", str(max(0, math.ceil(retry_after * 1000)))))
+        elif limit is not None:
+            md.append(("retry-after-ms", "unknown"))
+        if limit is not None:
+            md.append(("limit", limit))
+        if remaining is not None:
+            md.append(("limit-remaining", str(remaining)))
+        super().__init__(message, metadata=tuple(md))
         self.retry_after = retry_after
+        self.limit = limit
+        self.remaining = remaining
+
+
+def retry_after_seconds(metadata) -> float | None:
+    """`retry-after-ms` of a status's trailing metadata in seconds; None when absent or not a
+    number ("unknown")."""
+    value = dict(metadata or ()).get("retry-after-ms")
+    try:
+        return float(value) / 1000 if value is not None else None
+    except ValueError:
+        return None
 
 
 class Conflict(ServiceError):
@@ -78,11 +105,11 @@ def from_rpc_error(err: grpc.RpcError, *, context: str = "") -> ServiceError:
     details = err.details() if hasattr(err, "details") else str(err)
     message = f"{context}: {details}" if context else (details or "")
     for cls in (InvalidArgument, NotFound, Unauthenticated, PermissionDenied,
-                FailedPrecondition, DeadlineExceeded, Cancelled, Conflict):
+                FailedPrecondition, DeadlineExceeded, Cancelled, Conflict, AlreadyExists):
         if cls.code == code:
             return cls(message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        md = dict(err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else {}
-        retry = md.get("retry-after-ms")
-        return ResourceExhausted(message, retry_after=float(retry) / 1000 if retry else None)
+        md = (err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else ()
+        limit = dict(md).get("limit")
+        return ResourceExhausted(message, retry_after=retry_after_seconds(md), limit=limit)
     return Unavailable(message or f"downstream call failed with {code.name}")

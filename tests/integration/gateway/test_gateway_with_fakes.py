@@ -60,7 +60,8 @@ def test_generate_streams_tokens_and_ends_with_usage(gateway, key, engine, meter
     assert last.model_version == "v1"
     sent = next(r for r in engine.servicer.requests if r.request_id == "gen-1")
     assert (sent.tenant_id, sent.priority, sent.max_tokens) == ("acme", 0, 5)
-    assert sent.sampling.HasField("temperature") and not sent.sampling.HasField("top_p")
+    # Unset controls reach the engine as the shared defaults (tokenserve.sampling).
+    assert (sent.sampling.temperature, sent.sampling.top_p) == (0.5, 1.0)
     (row,) = wait_for(lambda: meter_rows(meter_stub, "gen-1"))
     assert (row["source"], row["tenant_id"], row["tier"], row["app"], row["status"]) == (
         "gateway", "acme", "free", "bot", "OK")
@@ -127,7 +128,7 @@ def test_disabled_tenant_is_permission_denied(gateway, control):
     (pb.GenerateRequest(prompt="hi", max_tokens=FREE_MAX_TOKENS + 1), "INVALID_ARGUMENT",
      f"at most {FREE_MAX_TOKENS}"),
     (pb.GenerateRequest(prompt="hi", max_tokens=2, top_p=0), "INVALID_ARGUMENT", "top_p"),
-    (pb.GenerateRequest(prompt="hi", max_tokens=2, stop=list("abcdefghij")), "INVALID_ARGUMENT",
+    (pb.GenerateRequest(prompt="hi", max_tokens=2, stop=["s"] * 17), "INVALID_ARGUMENT",
      "stop"),
     (pb.GenerateRequest(prompt="hi", max_tokens=2, model="gpt-9"), "NOT_FOUND", MODEL),
     (pb.GenerateRequest(prompt="hi", max_tokens=2, model="lonely"), "UNAVAILABLE", "lonely"),
