@@ -147,7 +147,8 @@ class RedisQuotaStore:
     """Counters in Redis, shared by every gateway that points at it."""
 
     def __init__(self, url: str, *, fail: str = "closed", live_gateways: Callable[[], int] = lambda: 1,
-                 timeout: float = 0.5, prefix: str = "tokenserve:quota"):
+                 timeout: float = 0.5, prefix: str = "tokenserve:quota",
+                 expiry_grace: float = EXPIRY_GRACE_SECONDS):
         import redis.asyncio as redis_asyncio  # only gateways configured for Redis need it
 
         self._redis = redis_asyncio.Redis.from_url(url, socket_timeout=timeout,
@@ -157,6 +158,7 @@ class RedisQuotaStore:
         self._fail = fail
         self._live_gateways = live_gateways
         self._prefix = prefix
+        self._expiry_grace = expiry_grace
         self._fallback = MemoryQuotaStore()
         self._breaker = _Breaker()
 
@@ -172,7 +174,7 @@ class RedisQuotaStore:
                     keys=self._keys(tenant_id),
                     args=[repr(limits.requests_per_second), limits.tokens_per_minute,
                           limits.daily_tokens, limits.max_concurrency, request_id, cost,
-                          timeout + EXPIRY_GRACE_SECONDS, _STATE_TTL_SECONDS])
+                          timeout + self._expiry_grace, _STATE_TTL_SECONDS])
             except Exception as e:  # noqa: BLE001 - redis-py raises several unrelated types
                 if not _is_redis_down(e):
                     raise
@@ -182,9 +184,11 @@ class RedisQuotaStore:
         if self._fail != "open":
             raise Unavailable("the quota store (Redis) is unreachable and this gateway is set"
                               " to fail closed; retry shortly")
-        metrics.QUOTA_FALLBACK_ADMISSIONS.inc()
         parts = max(1, self._live_gateways())
-        return self._fallback.admit_now(tenant_id, limits.share(parts), request_id, cost, timeout)
+        admitted = self._fallback.admit_now(tenant_id, limits.share(parts), request_id, cost,
+                                            timeout)
+        metrics.QUOTA_FALLBACK_ADMISSIONS.inc()
+        return admitted
 
     async def settle(self, reservation, used):
         if isinstance(reservation, LocalReservation):

@@ -85,7 +85,7 @@ class Gateway:
 
 
 def start_gateway(tmp: Path, etcd_endpoint: str, tokenizer: str, meter: str,
-                  engines: list[str], name: str = "gateway") -> Gateway:
+                  engines: list[str], name: str = "gateway", extra_args=()) -> Gateway:
     port, metrics_port = free_port(), free_port()
     args = ["--port", str(port), "--metrics-port", str(metrics_port),
             "--etcd-endpoints", etcd_endpoint, "--tokenizer", tokenizer, "--meter", meter,
@@ -93,6 +93,7 @@ def start_gateway(tmp: Path, etcd_endpoint: str, tokenizer: str, meter: str,
             "--default-model", MODEL, "--request-timeout", "20"]
     for e in engines:
         args += ["--engine", f"{MODEL}=v1={e}"]
+    args += list(extra_args)
     proc = ServiceProcess("services.gateway", args, port, log_path=tmp / f"{name}.log").start()
     return Gateway(proc, metrics_port, tmp / f"{name}.db")
 
