@@ -27,8 +27,13 @@ if _version_not_supported:
 
 class InferenceServiceStub:
     """The public API. Every call needs `authorization: Bearer ts-...` metadata and should carry
-    a deadline. Rejections by limit or load are RESOURCE_EXHAUSTED with `retry-after-ms`
-    trailing metadata.
+    a deadline. A request refused by a tier limit is RESOURCE_EXHAUSTED with trailing metadata
+    `limit` (rps, tpm, daily or concurrency), `limit-remaining` and `retry-after-ms` (when a
+    retry can succeed; "unknown" for concurrency). A request that could never fit the tier's
+    token budgets is INVALID_ARGUMENT. Generate and Chat send the tenant's remaining quota in
+    initial metadata: x-ratelimit-remaining-requests, x-ratelimit-remaining-tokens (of the
+    per-minute budget, after reserving prompt + max_tokens), x-ratelimit-remaining-daily-tokens,
+    x-ratelimit-limit-requests and x-ratelimit-limit-tokens.
     """
 
     def __init__(self, channel):
@@ -61,8 +66,13 @@ class InferenceServiceStub:
 
 class InferenceServiceServicer:
     """The public API. Every call needs `authorization: Bearer ts-...` metadata and should carry
-    a deadline. Rejections by limit or load are RESOURCE_EXHAUSTED with `retry-after-ms`
-    trailing metadata.
+    a deadline. A request refused by a tier limit is RESOURCE_EXHAUSTED with trailing metadata
+    `limit` (rps, tpm, daily or concurrency), `limit-remaining` and `retry-after-ms` (when a
+    retry can succeed; "unknown" for concurrency). A request that could never fit the tier's
+    token budgets is INVALID_ARGUMENT. Generate and Chat send the tenant's remaining quota in
+    initial metadata: x-ratelimit-remaining-requests, x-ratelimit-remaining-tokens (of the
+    per-minute budget, after reserving prompt + max_tokens), x-ratelimit-remaining-daily-tokens,
+    x-ratelimit-limit-requests and x-ratelimit-limit-tokens.
     """
 
     def Generate(self, request, context):
@@ -126,8 +136,13 @@ def add_InferenceServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class InferenceService:
     """The public API. Every call needs `authorization: Bearer ts-...` metadata and should carry
-    a deadline. Rejections by limit or load are RESOURCE_EXHAUSTED with `retry-after-ms`
-    trailing metadata.
+    a deadline. A request refused by a tier limit is RESOURCE_EXHAUSTED with trailing metadata
+    `limit` (rps, tpm, daily or concurrency), `limit-remaining` and `retry-after-ms` (when a
+    retry can succeed; "unknown" for concurrency). A request that could never fit the tier's
+    token budgets is INVALID_ARGUMENT. Generate and Chat send the tenant's remaining quota in
+    initial metadata: x-ratelimit-remaining-requests, x-ratelimit-remaining-tokens (of the
+    per-minute budget, after reserving prompt + max_tokens), x-ratelimit-remaining-daily-tokens,
+    x-ratelimit-limit-requests and x-ratelimit-limit-tokens.
     """
 
     @staticmethod
