@@ -59,8 +59,8 @@ class GatewayConfig:
     # Usage sender: events per RecordUsage call, and the longest wait between retries.
     spool_batch_size: int = 500
     spool_max_backoff_seconds: float = 30.0
-    # Where admission keeps its counters: "memory" (this process; one gateway) or a
-    # redis://host:port/db URL shared by several gateways.
+    # Where admission keeps its counters: "memory" (this process; one gateway), a
+    # redis://host:port/db URL shared by several gateways, or "off" (no limits enforced).
     quota_store: str = "memory"
     # With Redis unreachable: "closed" refuses requests (UNAVAILABLE), "open" admits against
     # this gateway's share of each limit (limit / live gateways).
@@ -83,9 +83,9 @@ class GatewayConfig:
             raise ValueError("spool_batch_size must be in 1..10000 (the meter's batch limit)")
         if self.spool_max_backoff_seconds <= 0:
             raise ValueError("spool_max_backoff_seconds must be > 0")
-        if self.quota_store != "memory" and not self.quota_store.startswith(
+        if self.quota_store not in ("memory", "off") and not self.quota_store.startswith(
                 ("redis://", "rediss://", "unix://")):
-            raise ValueError("--quota-store must be 'memory' or a redis://host:port/db URL,"
+            raise ValueError("--quota-store must be 'memory', 'off' or a redis://host:port/db URL,"
                              f" got {self.quota_store!r}")
         if self.quota_fail not in ("open", "closed"):
             raise ValueError(f"--quota-fail must be 'open' or 'closed', got {self.quota_fail!r}")

@@ -16,7 +16,8 @@ from services.gateway import metrics
 from services.gateway.config import GatewayConfig, StaticEngine
 from services.gateway.downstream import Channels, EngineClient, MeterClient, TokenizerClient
 from services.gateway.inference import ConfigSource, Pipeline
-from services.gateway.quota_store import MemoryQuotaStore, QuotaStore, RedisQuotaStore
+from services.gateway.quota_store import (MemoryQuotaStore, NoQuotaStore, QuotaStore,
+                                          RedisQuotaStore)
 from services.gateway.routing import Router
 from services.gateway.servicer import InferenceServicer
 from services.gateway.spool import SpoolSender, UsageSpool
@@ -50,9 +51,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--default-model", default=GatewayConfig.default_model)
     p.add_argument("--request-timeout", type=float, default=30.0,
                    help="seconds allowed to a call that carries no deadline")
-    p.add_argument("--quota-store", default="memory", metavar="memory|redis://HOST:PORT/DB",
+    p.add_argument("--quota-store", default="memory", metavar="memory|redis://HOST:PORT/DB|off",
                    help="where admission counters live: this process (one gateway) or Redis"
-                        " shared by several gateways")
+                        " shared by several gateways; 'off' enforces no limits (benchmarks)")
     p.add_argument("--quota-fail", choices=("closed", "open"), default="closed",
                    help="with Redis unreachable: refuse requests (closed) or admit against this"
                         " gateway's share of each limit (open)")
@@ -76,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
 def quota_store(config: GatewayConfig, source: ConfigSource) -> QuotaStore:
     if config.quota_store == "memory":
         return MemoryQuotaStore()
+    if config.quota_store == "off":
+        log.warning("quota_store_off", detail="no tier limit or token quota is enforced")
+        return NoQuotaStore()
     return RedisQuotaStore(config.quota_store, fail=config.quota_fail,
                            live_gateways=lambda: len(source.snapshot.gateways))
 

@@ -78,6 +78,20 @@ class MemoryQuotaStore:
         pass
 
 
+class NoQuotaStore:
+    """`--quota-store off`: every request is admitted (benchmarks, or a gateway behind another
+    limiter). The gateway logs a warning at start when it runs this way."""
+
+    async def admit(self, tenant_id, limits, request_id, cost, timeout):
+        return Reservation(tenant_id, request_id, cost, limits), None
+
+    async def settle(self, reservation, used):
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
 # The rules of TenantState.admit, in Lua. KEYS: state hash, in-flight sorted set.
 # ARGV: rps, tokens/minute, tokens/day, max concurrency, request id, cost, expiry seconds,
 # state ttl. Returns {"ok", requests left, tokens left, daily tokens left},
