@@ -223,7 +223,7 @@ def test_tier_change_applies_live_to_every_watching_service(suite, key):
 
 def test_sigterm_goes_not_serving_then_exits_cleanly(suite):
     for name in reversed(SERVICES):
-        proc = suite.procs[name]
+        proc = suite.procs[name].proc
         channel = grpc.insecure_channel(suite.address(name))
         health = health_pb2_grpc.HealthStub(channel)
         proc.send_signal(signal.SIGTERM)

@@ -1,1 +1,13 @@
+from controlplane.service_process import ServiceProcess
+from pathlib import Path
+
 from tests.etcd_fixture import etcd  # noqa: F401  (pytest fixture)
+from tokenserve.runtime.ports import free_port
+
+
+def engine_process(log_path: Path, *args: str) -> ServiceProcess:
+    """The engine on ephemeral ports with a small batch and KV cache; `args` are added."""
+    port = free_port()
+    return ServiceProcess("services.engine", [
+        "--port", str(port), "--metrics-port", str(free_port()), "--max-concurrency", "16",
+        "--max-batched-tokens", "128", "--kv-cache-mb", "32", *args], port, log_path=log_path)

@@ -8,7 +8,8 @@ import urllib.request
 import grpc
 import pytest
 
-from tests.integration.engine_service.engine_process import NOT_SERVING, SERVING, EngineProcess
+from controlplane.service_process import NOT_SERVING, SERVING
+from tests.integration.engine_service.conftest import engine_process
 from tokenserve.common.v1 import common_pb2
 from tokenserve.engine.v1 import engine_pb2 as pb
 from tokenserve.engine.v1 import engine_pb2_grpc
@@ -20,12 +21,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    proc = EngineProcess(tmp_path_factory.mktemp("engine") / "engine.log").start()
+    proc = engine_process(tmp_path_factory.mktemp("engine") / "engine.log").spawn()
     try:
-        yield proc.wait_serving()
+        yield proc.wait_serving(timeout=600)
     finally:
-        proc.terminate()
-        proc.kill()
+        proc.stop(grace=60)
 
 
 @pytest.fixture(scope="module")
