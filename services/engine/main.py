@@ -30,9 +30,6 @@ from tokenserve.runtime.config import add_server_args
 
 log = get_logger(component="engine.main")
 
-# Seconds between etcd registration attempts while etcd is unreachable.
-_REGISTER_RETRY_SECONDS = 2.0
-
 
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p = argparse.ArgumentParser(prog="python -m services.engine",
@@ -146,6 +143,7 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
     registration: list = []  # the etcd handle, once registered
 
     async def stop_engine():
+        task.cancel()  # a registration still retrying (etcd down) gives up
         for handle in registration:
             await handle.close()
         await asyncio.to_thread(engine.stop)
@@ -187,7 +185,7 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
 
 async def _register(config: EngineConfig, port: int, out: list) -> None:
     """Registers under a lease; retries while etcd is unreachable (serving goes on)."""
-    from controlplane.registry import register
+    from controlplane.registry import register_with_retry
     from controlplane.schema import EngineRegistration
 
     endpoint = config.advertise or f"{config.host}:{port}"
@@ -195,14 +193,7 @@ async def _register(config: EngineConfig, port: int, out: list) -> None:
         id=f"{config.model_name}-{config.version}-{socket.gethostname()}-{port}".replace("/", "-")[:128],
         endpoint=endpoint, model=config.model_name, version=config.version,
         capacity=config.max_concurrency)
-    while True:
-        try:
-            out.append(await register(list(config.etcd_endpoints), "engines", reg))
-            return
-        except Exception as e:  # noqa: BLE001 - etcd down must not stop serving
-            log.warning("engine_register_failed", error=str(e)[:200],
-                        retry_seconds=_REGISTER_RETRY_SECONDS)
-            await asyncio.sleep(_REGISTER_RETRY_SECONDS)
+    out.append(await register_with_retry(list(config.etcd_endpoints), "engines", reg))
 
 
 def main(argv: list[str] | None = None) -> int:
