@@ -112,7 +112,7 @@ def build_core(config: EngineConfig) -> EngineCore:
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config.max_concurrency,
                         max_num_batched_tokens=config.max_batched_tokens,
-                        max_waiting=config.max_waiting, max_model_len=runner.max_context,
+                        max_model_len=runner.max_context,
                         itl_target_s=config.itl_target_ms / 1000,
                         burst_hold_s=config.burst_hold_ms / 1000,
                         # keep ~1% free so running requests can grow without preemption
