@@ -69,7 +69,7 @@ class ServiceProcess:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.module} exited with code {self.proc.returncode} while"
+                raise RuntimeError(f"{self.module} exited with {self.proc.returncode} while"
                                    f" starting; see {self.log_path}:\n{self.tail()}")
             status = self.health()
             if status is not None and (not self.statuses or self.statuses[-1] != status):
