@@ -142,7 +142,8 @@ async def register_with_retry(endpoints: Sequence[str] | str | EtcdOptions, kind
 
     Waits first_delay seconds after the first failure, doubling up to max_delay (with jitter,
     so services started together do not retry together), and logs each failure. Bad arguments
-    raise at once. Cancel the task to give up (on shutdown); nothing is left registered.
+    raise at once. Cancel the task to give up (on shutdown): no keep-alives are left running,
+    so a registration cut short mid-write expires with its lease within ttl seconds.
     """
     _check(kind, registration, ttl)
     delay = first_delay
