@@ -15,19 +15,16 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from controlplane import admin
 from controlplane import seed as seeding
 from controlplane.etcd_local import EtcdProcess
+from controlplane.service_process import ServiceProcess
 from controlplane.store import ConfigStore
 from tokenserve.runtime.errors import ServiceError
 from tokenserve.runtime.ports import free_port
@@ -64,7 +61,7 @@ class Suite:
     model_path: Path | None = None
     engine_args: tuple[str, ...] = ()
     say: Callable[[str], None] = print
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    procs: dict[str, ServiceProcess] = field(default_factory=dict)
     etcd: EtcdProcess | None = None
 
     @property
@@ -86,8 +83,12 @@ class Suite:
         asyncio.run(self._seed())
         deadline = time.monotonic() + timeout
         for name in SERVICES:
-            self.procs[name] = self._spawn(name)
-            self._wait_serving(name, deadline)
+            proc = self._process(name)
+            self.say(f"starting {name} on {self.address(name)} (log: {proc.log_path})")
+            self.procs[name] = proc.spawn()
+            progress = _ProgressTail(proc.log_path, self.say) if name == "engine" else None
+            proc.wait_serving(deadline - time.monotonic(), progress.poll if progress else None)
+            self.say(f"{name} is serving")
         self._write_state()
 
     async def _seed(self):
@@ -113,64 +114,35 @@ class Suite:
 
         return asyncio.run(issue())
 
-    def _command(self, name: str) -> list[str]:
+    def _process(self, name: str) -> ServiceProcess:
+        return ServiceProcess(f"services.{name}", self._args(name), getattr(self.ports, name),
+                              log_path=self.data_dir / "logs" / f"{name}.log")
+
+    def _args(self, name: str) -> list[str]:
         p = self.ports
-        py = [sys.executable, "-m", f"services.{name}"]
         etcd = ["--etcd-endpoints", self.etcd_endpoint]
         model = str(self.model_path or default_model_path())
         if name == "meter":
-            return py + ["--port", str(p.meter), "--metrics-port", str(p.meter_metrics),
-                         "--db", str(self.data_dir / "meter.db")]
+            return ["--port", str(p.meter), "--metrics-port", str(p.meter_metrics),
+                    "--db", str(self.data_dir / "meter.db")]
         if name == "tokenizer":
-            return py + ["--port", str(p.tokenizer), "--metrics-port", str(p.tokenizer_metrics),
-                         "--model", f"{DEFAULT_MODEL_NAME}={model}", *etcd,
-                         "--config-snapshot", str(self.data_dir / "tokenizer-config.json")]
+            return ["--port", str(p.tokenizer), "--metrics-port", str(p.tokenizer_metrics),
+                    "--model", f"{DEFAULT_MODEL_NAME}={model}", *etcd,
+                    "--config-snapshot", str(self.data_dir / "tokenizer-config.json")]
         if name == "engine":
-            return py + ["--port", str(p.engine), "--metrics-port", str(p.engine_metrics),
-                         "--model-path", model, "--model-name", DEFAULT_MODEL_NAME,
-                         "--version", DEFAULT_MODEL_VERSION, *etcd, *self.engine_args]
+            return ["--port", str(p.engine), "--metrics-port", str(p.engine_metrics),
+                    "--model-path", model, "--model-name", DEFAULT_MODEL_NAME,
+                    "--version", DEFAULT_MODEL_VERSION, *etcd, *self.engine_args]
         if name == "gateway":
-            return py + ["--port", str(p.gateway), "--metrics-port", str(p.gateway_metrics), *etcd,
-                         "--tokenizer", self.address("tokenizer"), "--meter", self.address("meter"),
-                         "--snapshot", str(self.data_dir / "gateway-config.json"),
-                         "--spool", str(self.data_dir / "gateway-spool.db")]
+            return ["--port", str(p.gateway), "--metrics-port", str(p.gateway_metrics), *etcd,
+                    "--tokenizer", self.address("tokenizer"), "--meter", self.address("meter"),
+                    "--snapshot", str(self.data_dir / "gateway-config.json"),
+                    "--spool", str(self.data_dir / "gateway-spool.db")]
         raise ValueError(f"unknown service {name}")
 
-    def _spawn(self, name: str) -> subprocess.Popen:
-        log_path = self.data_dir / "logs" / f"{name}.log"
-        self.say(f"starting {name} on {self.address(name)} (log: {log_path})")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        root = Path(__file__).resolve().parent.parent
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-        return subprocess.Popen(self._command(name), stdout=log_path.open("ab"),
-                                stderr=subprocess.STDOUT, env=env, cwd=root,
-                                start_new_session=True)
-
-    def _wait_serving(self, name: str, deadline: float) -> None:
-        proc = self.procs[name]
-        log_path = self.data_dir / "logs" / f"{name}.log"
-        progress = _ProgressTail(log_path, self.say) if name == "engine" else None
-        with grpc.insecure_channel(self.address(name)) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {proc.returncode} while starting;"
-                                       f" see {log_path}:\n{_tail(log_path)}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} did not become SERVING in time; see {log_path}")
-                try:
-                    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        self.say(f"{name} is serving")
-                        return
-                except grpc.RpcError:
-                    pass
-                if progress:
-                    progress.poll()
-                time.sleep(0.2)
-
     def _write_state(self):
-        state = {"ports": asdict(self.ports), "pids": {n: p.pid for n, p in self.procs.items()},
+        state = {"ports": asdict(self.ports),
+                 "pids": {n: p.proc.pid for n, p in self.procs.items()},
                  "etcd_pid": self.etcd.process.pid if self.etcd and self.etcd.process else None}
         (self.data_dir / "up.json").write_text(json.dumps(state, indent=2))
 
@@ -179,17 +151,8 @@ class Suite:
         """Stops services in reverse order (SIGTERM, then SIGKILL after grace); returns exit codes."""
         codes: dict[str, int | None] = {}
         for name in reversed(SERVICES):
-            proc = self.procs.get(name)
-            if proc is None:
-                continue
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(grace)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            codes[name] = proc.returncode
+            if name in self.procs:
+                codes[name] = self.procs[name].stop(grace)
         self.procs.clear()
         if self.etcd is not None:
             self.etcd.stop()
@@ -228,13 +191,6 @@ class _ProgressTail:
                 self.say(f"  model loaded in {rec.get('seconds', '?')} s")
 
 
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return ""
-
-
 def grpcurl_command(key: str, gateway: str) -> str:
     body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32})
@@ -266,8 +222,8 @@ def _up(args) -> int:
               flush=True)
         while True:
             for name, proc in suite.procs.items():
-                if proc.poll() is not None:
-                    print(f"{name} exited with code {proc.returncode}; stopping everything",
+                if proc.proc.poll() is not None:
+                    print(f"{name} exited with code {proc.proc.returncode}; stopping everything",
                           flush=True)
                     return 1
             time.sleep(0.5)

@@ -6,6 +6,9 @@
     ...
     await handle.close()   # revokes the lease: the key goes at once
 
+`register_with_retry` keeps trying (backing off) while etcd is unreachable; the engine and
+the gateway register that way, so they serve before etcd is back.
+
 The key lives only while its lease is kept alive (every ttl/3 s, in the background). A process
 that dies stops the keep-alives and etcd deletes the key within `ttl` seconds, which the
 watchers see as a delete. If the lease is lost (etcd down longer than ttl), the handle
@@ -103,11 +106,7 @@ class RegistrationHandle:
             await self._client.close()
 
 
-async def register(endpoints: Sequence[str] | str | EtcdOptions, kind: str,
-                   registration: schema.Document, ttl: int = 5, *, user: str | None = None,
-                   password: str | None = None, ca_file: str | None = None,
-                   cert_file: str | None = None, key_file: str | None = None) -> RegistrationHandle:
-    """Writes `registration` under `<kind>/<id>` bound to a lease with `ttl` seconds."""
+def _check(kind: str, registration: schema.Document, ttl: int) -> None:
     cls = KINDS.get(kind)
     if cls is None:
         raise InvalidArgument(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -115,6 +114,14 @@ async def register(endpoints: Sequence[str] | str | EtcdOptions, kind: str,
         raise InvalidArgument(f"{kind} needs a {cls.__name__}, got {type(registration).__name__}")
     if not isinstance(ttl, int) or ttl < 2:
         raise InvalidArgument(f"ttl must be an integer >= 2 seconds, got {ttl!r}")
+
+
+async def register(endpoints: Sequence[str] | str | EtcdOptions, kind: str,
+                   registration: schema.Document, ttl: int = 5, *, user: str | None = None,
+                   password: str | None = None, ca_file: str | None = None,
+                   cert_file: str | None = None, key_file: str | None = None) -> RegistrationHandle:
+    """Writes `registration` under `<kind>/<id>` bound to a lease with `ttl` seconds."""
+    _check(kind, registration, ttl)
     options = EtcdOptions.of(endpoints, user=user, password=password, ca_file=ca_file,
                              cert_file=cert_file, key_file=key_file)
     handle = RegistrationHandle(EtcdClient(options), registration, ttl)
@@ -125,3 +132,28 @@ async def register(endpoints: Sequence[str] | str | EtcdOptions, kind: str,
         raise
     handle._start()
     return handle
+
+
+async def register_with_retry(endpoints: Sequence[str] | str | EtcdOptions, kind: str,
+                              registration: schema.Document, ttl: int = 5, *,
+                              first_delay: float = 0.5, max_delay: float = 10.0,
+                              **auth: str | None) -> RegistrationHandle:
+    """`register`, retried until etcd takes it: for a service that serves while etcd is down.
+
+    Waits first_delay seconds after the first failure, doubling up to max_delay (with jitter,
+    so services started together do not retry together), and logs each failure. Bad arguments
+    raise at once. Cancel the task to give up (on shutdown): no keep-alives are left running,
+    so a registration cut short mid-write expires with its lease within ttl seconds.
+    """
+    _check(kind, registration, ttl)
+    delay = first_delay
+    while True:
+        try:
+            return await register(endpoints, kind, registration, ttl, **auth)
+        except Exception as e:  # noqa: BLE001 - etcd down or refusing: serving goes on, retry
+            wait = delay * (1 + random.random() / 2)
+            # describe() gives the error's code and message; never the credentials in `auth`
+            log.warning("registration_failed", key=registration.key, error=describe(e),
+                        retry_in=round(wait, 2))
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, max_delay)

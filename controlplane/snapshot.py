@@ -86,12 +86,6 @@ class ConfigSnapshot:
             return None
         return record, tenant, tenant.effective(tier)
 
-    def tier_for(self, tenant_id: str) -> Tier | None:
-        """The tenant's tier with its overrides applied."""
-        tenant = self.tenants.get(tenant_id)
-        tier = self.tiers.get(tenant.tier) if tenant else None
-        return tenant.effective(tier) if tier else None
-
     def engines_for(self, model: str, version: str | None = None) -> list[EngineRegistration]:
         return sorted((e for e in self.engines.values()
                        if e.model == model and (version is None or e.version == version)),

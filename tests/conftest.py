@@ -5,8 +5,6 @@ import pytest
 
 from tokenserve.runtime.ports import free_port
 
-__all__ = ["free_port"]
-
 
 @pytest.fixture
 def port() -> int:

@@ -18,7 +18,7 @@ import pytest
 from aetcd import rpc
 
 from controlplane.etcd_local import EtcdProcess
-from tests.conftest import free_port
+from tokenserve.runtime.ports import free_port
 
 
 class EtcdHandle:

@@ -32,6 +32,8 @@ class EngineConfig:
     threads: int | None = None
     # Most requests running at once (batch rows); more wait, up to max_waiting.
     max_concurrency: int = 64
+    # Requests waiting beyond max_concurrency; the servicer refuses one more with
+    # RESOURCE_EXHAUSTED.
     max_waiting: int = 256
     # Tokens computed per step across all requests: bounds how long one prefill chunk
     # delays running decodes.
@@ -92,7 +94,3 @@ class EngineConfig:
                 raise ValueError(f"etcd endpoint must be host:port, got {ep!r}")
         if self.grace_seconds < 0 or self.drain_seconds < 0:
             raise ValueError("grace_seconds and drain_seconds must be >= 0")
-
-    @property
-    def address(self) -> str:
-        return self.advertise or f"{self.host}:{self.port}"

@@ -30,9 +30,6 @@ from tokenserve.runtime.config import add_server_args
 
 log = get_logger(component="engine.main")
 
-# Seconds between etcd registration attempts while etcd is unreachable.
-_REGISTER_RETRY_SECONDS = 2.0
-
 
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p = argparse.ArgumentParser(prog="python -m services.engine",
@@ -115,7 +112,7 @@ def build_core(config: EngineConfig) -> EngineCore:
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config.max_concurrency,
                         max_num_batched_tokens=config.max_batched_tokens,
-                        max_waiting=config.max_waiting, max_model_len=runner.max_context,
+                        max_model_len=runner.max_context,
                         itl_target_s=config.itl_target_ms / 1000,
                         burst_hold_s=config.burst_hold_ms / 1000,
                         # keep ~1% free so running requests can grow without preemption
@@ -146,6 +143,7 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
     registration: list = []  # the etcd handle, once registered
 
     async def stop_engine():
+        task.cancel()  # a registration still retrying (etcd down) gives up
         for handle in registration:
             await handle.close()
         await asyncio.to_thread(engine.stop)
@@ -187,7 +185,7 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
 
 async def _register(config: EngineConfig, port: int, max_context: int, out: list) -> None:
     """Registers under a lease; retries while etcd is unreachable (serving goes on)."""
-    from controlplane.registry import register
+    from controlplane.registry import register_with_retry
     from controlplane.schema import EngineRegistration
 
     endpoint = config.advertise or f"{config.host}:{port}"
@@ -195,14 +193,7 @@ async def _register(config: EngineConfig, port: int, max_context: int, out: list
         id=f"{config.model_name}-{config.version}-{socket.gethostname()}-{port}".replace("/", "-")[:128],
         endpoint=endpoint, model=config.model_name, version=config.version,
         capacity=config.max_concurrency, max_context=max_context)
-    while True:
-        try:
-            out.append(await register(list(config.etcd_endpoints), "engines", reg))
-            return
-        except Exception as e:  # noqa: BLE001 - etcd down must not stop serving
-            log.warning("engine_register_failed", error=str(e)[:200],
-                        retry_seconds=_REGISTER_RETRY_SECONDS)
-            await asyncio.sleep(_REGISTER_RETRY_SECONDS)
+    out.append(await register_with_retry(list(config.etcd_endpoints), "engines", reg))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,8 +44,6 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     # Tokens computed per step across all sequences (the chunked-prefill budget).
     max_num_batched_tokens: int = 256
-    # Most sequences waiting; beyond it add() is refused (the front returns RESOURCE_EXHAUSTED).
-    max_waiting: int = 256
     # Model context: a sequence stops with LENGTH when it fills it.
     max_model_len: int = 2048
     # Free blocks kept back when admitting new sequences, so running ones can grow.
@@ -63,9 +61,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every running"
                              f" sequence can decode each step ({self.max_num_batched_tokens}"
                              f" < {self.max_num_seqs})")
-        if self.max_waiting < 0 or self.max_model_len < 2 or self.admission_reserve_blocks < 0:
-            raise ValueError("max_waiting and admission_reserve_blocks must be >= 0,"
-                             " max_model_len >= 2")
+        if self.max_model_len < 2 or self.admission_reserve_blocks < 0:
+            raise ValueError("admission_reserve_blocks must be >= 0, max_model_len >= 2")
         if not self.itl_target_s >= 0:
             raise ValueError(f"itl_target_s must be >= 0, got {self.itl_target_s}")
         if not self.burst_hold_s >= 0:
@@ -149,9 +146,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def can_add(self) -> bool:
-        return len(self.waiting) < self.config.max_waiting
 
     def add(self, seq: Sequence) -> None:
         if seq.seq_id in self._by_id:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import structlog
 
-from controlplane.registry import register
+from controlplane.registry import register_with_retry
 from controlplane.schema import GatewayRegistration
 from controlplane.watcher import ConfigWatcher
 from services.gateway import metrics
@@ -122,15 +122,7 @@ async def _register_when_possible(config: GatewayConfig, port: int):
     """Announces this gateway in etcd under a lease; retries while etcd is unreachable."""
     gid = config.gateway_id or f"gateway-{config.host}-{port}"
     reg = GatewayRegistration(id=gid.replace(":", "-"), endpoint=f"{config.host}:{port}")
-    delay = 0.5
-    while True:
-        try:
-            return await register(list(config.etcd_endpoints), "gateways", reg, ttl=5)
-        except Exception as e:  # noqa: BLE001 - etcd down or refusing: keep serving, retry
-            log.warning("gateway_registration_failed", error_type=type(e).__name__,
-                        error=getattr(e, "message", str(e))[:200], retry_in=delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+    return await register_with_retry(list(config.etcd_endpoints), "gateways", reg, ttl=5)
 
 
 async def serve(config: GatewayConfig):

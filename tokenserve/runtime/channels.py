@@ -15,7 +15,3 @@ _OPTIONS = [
 
 def aio_channel(target: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target, options=_OPTIONS)
-
-
-def sync_channel(target: str) -> grpc.Channel:
-    return grpc.insecure_channel(target, options=_OPTIONS)

@@ -1,11 +1,16 @@
 """etcd with authentication on: the store and watcher log in; wrong credentials are refused."""
 from __future__ import annotations
 
+import asyncio
+import time
+
 import grpc
 import pytest
+import structlog.testing
 from aetcd import rpc
 
-from controlplane.schema import Tier
+from controlplane.registry import register_with_retry
+from controlplane.schema import GatewayRegistration, Tier
 from controlplane.store import ConfigStore
 from controlplane.watcher import ConfigWatcher
 from tokenserve.runtime.errors import Unauthenticated
@@ -35,3 +40,24 @@ async def test_user_password_round_trip(etcd):
     async with ConfigStore([etcd.endpoint]) as store:  # no credentials at all
         with pytest.raises(Unauthenticated):
             await store.get("tiers/free")
+
+
+async def test_refused_registration_is_retried_and_logged_without_the_password(etcd):
+    enable_auth(etcd.endpoint, "s3cret")
+    reg = GatewayRegistration("gw-auth", "127.0.0.1:50051")
+    with structlog.testing.capture_logs() as logs:
+        task = asyncio.create_task(register_with_retry(
+            [etcd.endpoint], "gateways", reg, user="root", password="wr0ng-pa55",
+            first_delay=0.05, max_delay=0.2))
+        deadline = time.monotonic() + 30
+        while sum(e["event"] == "registration_failed" for e in logs) < 2:
+            assert time.monotonic() < deadline, f"no retried failure logged: {logs}"
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    failed = [e for e in logs if e["event"] == "registration_failed"]
+    assert "credentials" in failed[0]["error"]
+    assert "wr0ng-pa55" not in repr(logs) and "s3cret" not in repr(logs)
+    async with ConfigStore([etcd.endpoint], user="root", password="s3cret") as store:
+        assert await store.get("gateways/gw-auth") is None

@@ -7,8 +7,9 @@ import sys
 import time
 
 import pytest
+import structlog.testing
 
-from controlplane.registry import register
+from controlplane.registry import register, register_with_retry
 from controlplane.schema import EngineRegistration, GatewayRegistration
 from controlplane.store import ConfigStore
 from controlplane.watcher import ConfigWatcher
@@ -79,3 +80,44 @@ async def test_registration_returns_after_etcd_restart(etcd):
             assert await store.get("engines/e1") is not None
     finally:
         await handle.close()
+
+
+async def failures_logged(logs: list[dict], count: int, timeout: float = 30) -> list[dict]:
+    await wait_until(lambda: sum(e["event"] == "registration_failed" for e in logs) >= count,
+                     timeout)
+    return [e for e in logs if e["event"] == "registration_failed"]
+
+
+async def test_retrying_registration_waits_for_etcd_then_registers(etcd):
+    with pytest.raises(InvalidArgument, match="kind must be one of"):  # bad input: no retries
+        await register_with_retry([etcd.endpoint], "tiers", GatewayRegistration("g", "h:1"))
+    etcd.stop()
+    reg = EngineRegistration("e-late", "127.0.0.1:9", "m", "v", 1)
+    with structlog.testing.capture_logs() as logs:
+        task = asyncio.create_task(register_with_retry([etcd.endpoint], "engines", reg, ttl=2,
+                                                       first_delay=0.05, max_delay=0.2))
+        failed = await failures_logged(logs, 2)
+        assert not task.done()
+        assert failed[0]["key"] == "engines/e-late" and failed[0]["retry_in"] > 0
+        etcd.start()
+        handle = await asyncio.wait_for(task, 30)
+    try:
+        async with ConfigStore([etcd.endpoint]) as store:
+            assert (await store.require("engines/e-late")).document.endpoint == "127.0.0.1:9"
+    finally:
+        await handle.close()
+
+
+async def test_retrying_registration_cancelled_leaves_nothing(etcd):
+    etcd.stop()
+    reg = EngineRegistration("e-gone", "127.0.0.1:9", "m", "v", 1)
+    with structlog.testing.capture_logs() as logs:
+        task = asyncio.create_task(register_with_retry([etcd.endpoint], "engines", reg, ttl=2,
+                                                       first_delay=0.05, max_delay=0.2))
+        await failures_logged(logs, 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    etcd.start()
+    async with ConfigStore([etcd.endpoint]) as store:
+        assert await store.get("engines/e-gone") is None

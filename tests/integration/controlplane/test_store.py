@@ -11,7 +11,7 @@ from controlplane.schema import Route, Tenant, Tier, generate_api_key
 from controlplane.seed import DEFAULT_MODEL, default_documents, seed
 from controlplane.store import ConfigStore
 from tokenserve.runtime.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from tests.conftest import free_port
+from tokenserve.runtime.ports import free_port
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 from controlplane.etcd_local import EtcdProcess, ServerTls
 from controlplane.schema import Tier
 from controlplane.store import ConfigStore
-from tests.conftest import free_port
+from tokenserve.runtime.ports import free_port
 from tokenserve.runtime.errors import Unavailable
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")

@@ -11,7 +11,7 @@ import pytest
 from controlplane.schema import hash_api_key
 from controlplane.seed import seed
 from controlplane.store import ConfigStore
-from tests.conftest import free_port
+from tokenserve.runtime.ports import free_port
 
 pytestmark = pytest.mark.slow  # each test runs tsctl as several subprocesses
 

@@ -15,7 +15,7 @@ from controlplane.seed import seed
 from controlplane.store import ConfigStore
 from controlplane.watcher import ConfigWatcher
 from tokenserve.runtime.errors import Unavailable
-from tests.conftest import free_port
+from tokenserve.runtime.ports import free_port
 from tests.integration.controlplane.tcp_proxy import TcpProxy
 
 

@@ -9,7 +9,8 @@ import grpc
 import pytest
 from aetcd import rpc
 
-from tests.integration.engine_service.engine_process import NOT_SERVING, EngineProcess
+from controlplane.service_process import NOT_SERVING
+from tests.integration.engine_service.conftest import engine_process
 from tokenserve.engine.v1 import engine_pb2 as pb
 from tokenserve.engine.v1 import engine_pb2_grpc
 
@@ -26,10 +27,10 @@ def registered(endpoint: str) -> list[bytes]:
 
 
 async def test_full_queue_is_resource_exhausted_and_sigterm_drains_then_exits(tmp_path, etcd):
-    proc = EngineProcess(tmp_path / "engine.log", "--max-waiting", "1", "--drain-seconds", "2",
-                         "--grace-seconds", "10", "--etcd-endpoints", etcd.endpoint).start()
+    proc = engine_process(tmp_path / "engine.log", "--max-waiting", "1", "--drain-seconds", "2",
+                          "--grace-seconds", "10", "--etcd-endpoints", etcd.endpoint).spawn()
     try:
-        await asyncio.to_thread(proc.wait_serving)
+        await asyncio.to_thread(proc.wait_serving, 600)
         for _ in range(100):  # registration follows SERVING
             if regs := registered(etcd.endpoint):
                 break

@@ -8,24 +8,31 @@ import urllib.request
 import grpc
 import pytest
 
-from tests.integration.engine_service.engine_process import NOT_SERVING, SERVING, EngineProcess
+from controlplane.service_process import NOT_SERVING, SERVING
+from tests.integration.engine_service.conftest import engine_process
 from tokenserve.common.v1 import common_pb2
 from tokenserve.engine.v1 import engine_pb2 as pb
 from tokenserve.engine.v1 import engine_pb2_grpc
 from tokenserve.models import default_model_path
+from tokenserve.runtime.ports import free_port
 from tokenserve.tokenization import load_model_tokenizer
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    proc = EngineProcess(tmp_path_factory.mktemp("engine") / "engine.log").start()
+def metrics_port():
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, metrics_port):
+    proc = engine_process(tmp_path_factory.mktemp("engine") / "engine.log",
+                          metrics_port=metrics_port).spawn()
     try:
-        yield proc.wait_serving()
+        yield proc.wait_serving(timeout=600)
     finally:
-        proc.terminate()
-        proc.kill()
+        proc.stop(grace=60)
 
 
 @pytest.fixture(scope="module")
@@ -186,9 +193,9 @@ async def test_bad_inputs_are_invalid_argument(stub, fields, words):
     assert words in e.value.details()
 
 
-async def test_metrics_endpoint_exports_engine_metrics(engine, stub):
+async def test_metrics_endpoint_exports_engine_metrics(stub, metrics_port):
     await generate(stub, prompt_token_ids=[400, 401, 402], max_tokens=3)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{engine.metrics_port}/metrics",
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
                                   timeout=10).read().decode()
     for name in ("tokenserve_engine_time_to_first_token_seconds_count",
                  "tokenserve_engine_inter_token_latency_seconds_count",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from controlplane.service_process import ServiceProcess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,10 +14,9 @@ import pytest
 from controlplane.schema import (ModelSpec, ModelVersion, Route, Tenant, Tier,
                                  generate_api_key, hash_api_key)
 from controlplane.store import ConfigStore
-from tests.conftest import free_port
+from tokenserve.runtime.ports import free_port
 from tests.etcd_fixture import etcd, etcd_session  # noqa: F401  (pytest fixtures)
 from tests.integration.gateway.fakes import MODEL, fake_engine, fake_tokenizer
-from tests.integration.meter_service.service_process import ServiceProcess
 from tokenserve.gateway.v1 import gateway_pb2_grpc
 from tokenserve.meter.v1 import meter_pb2_grpc
 

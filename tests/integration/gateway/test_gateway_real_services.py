@@ -8,9 +8,9 @@ import grpc
 import pytest
 
 from controlplane.schema import ModelSpec, ModelVersion, Route, Tenant, Tier
-from tests.conftest import free_port
+from controlplane.service_process import ServiceProcess
+from tokenserve.runtime.ports import free_port
 from tests.integration.gateway.conftest import Control
-from tests.integration.meter_service.service_process import ServiceProcess
 from tokenserve.client import Client
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default_model_path

@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from controlplane.schema import Tenant
-from tests.conftest import free_port
+from controlplane.service_process import ServiceProcess
+from tokenserve.runtime.ports import free_port
 from tests.integration.gateway.conftest import FREE_MAX_TOKENS, start_gateway
 from tests.integration.gateway.fakes import MODEL, fake_engine
-from tests.integration.meter_service.service_process import ServiceProcess
 from tokenserve.common.v1 import common_pb2
 from tokenserve.gateway.v1 import gateway_pb2 as pb
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc

@@ -4,8 +4,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tests.conftest import free_port
-from tests.integration.meter_service.service_process import ServiceProcess
+from controlplane.service_process import ServiceProcess
+from tokenserve.runtime.ports import free_port
 from tokenserve.meter.v1 import meter_pb2 as pb
 from tokenserve.meter.v1 import meter_pb2_grpc
 

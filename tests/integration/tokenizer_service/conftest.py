@@ -4,9 +4,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tests.conftest import free_port
-from tests.integration.meter_service.service_process import ServiceProcess
-from tests.unit.tokenization.test_loading import write_gguf
+from controlplane.service_process import ServiceProcess
+from tokenserve.runtime.ports import free_port
+from tests.tiny_tokenizer import write_gguf
 from tokenserve.models import default_model_path
 from tokenserve.tokenizer.v1 import tokenizer_pb2_grpc
 

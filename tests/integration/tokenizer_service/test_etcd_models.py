@@ -7,11 +7,11 @@ import grpc
 import pytest
 
 from controlplane.schema import ModelSpec, ModelVersion
+from controlplane.service_process import ServiceProcess
 from controlplane.store import ConfigStore
-from tests.conftest import free_port
+from tokenserve.runtime.ports import free_port
 from tests.etcd_fixture import etcd  # noqa: F401  (pytest fixture)
-from tests.integration.meter_service.service_process import ServiceProcess
-from tests.unit.tokenization.test_loading import write_gguf
+from tests.tiny_tokenizer import write_gguf
 from tokenserve.tokenizer.v1 import tokenizer_pb2 as pb
 from tokenserve.tokenizer.v1 import tokenizer_pb2_grpc
 

@@ -213,14 +213,6 @@ def test_low_priority_is_preempted_when_blocks_run_out_and_recomputed_exactly():
     assert sched.blocks.num_free_blocks == 8
 
 
-def test_waiting_queue_is_bounded():
-    sched, _ = make(max_waiting=2)
-    sched.add(make_seq(1))
-    assert sched.can_add()
-    sched.add(make_seq(2))
-    assert not sched.can_add()
-
-
 def test_finish_frees_blocks_and_tells_the_runner():
     sched, runner = make()
     s = make_seq(1, 30, max_tokens=50)

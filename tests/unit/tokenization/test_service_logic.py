@@ -72,7 +72,7 @@ async def test_registry_loads_once_reloads_on_new_path_and_does_not_cache_failur
     from concurrent.futures import ThreadPoolExecutor
 
     from services.tokenizer.registry import TokenizerRegistry
-    from tests.unit.tokenization.test_loading import write_gguf
+    from tests.tiny_tokenizer import write_gguf
     from tokenserve.runtime.errors import InvalidArgument, NotFound
     from tokenserve.tokenization import TokenizerLoadError
 
