@@ -26,9 +26,10 @@ from services.gateway.auth import Caller
 from services.gateway.downstream import (Channels, TokenizerClient, engine_request,
                                          engine_stub)
 from services.gateway.routing import Router, Target
-from services.gateway.spool import SpoolSender, UsageRecord, UsageSpool
 from services.gateway.validation import InferenceRequest, check_context
 from tokenserve.common.v1 import common_pb2
+from tokenserve.spool import SpoolSender, UsageSpool
+from tokenserve.usage import Source, UsageRecord, finish_reason_name
 from tokenserve.runtime.errors import (DeadlineExceeded, ServiceError, Unavailable,
                                        from_rpc_error)
 
@@ -39,6 +40,8 @@ log = structlog.get_logger(component="inference")
 # How an engine-reported finish is written in the usage record's status.
 _FINISH_STATUS = {common_pb2.FINISH_REASON_CANCELLED: "CANCELLED",
                   common_pb2.FINISH_REASON_ERROR: "UNKNOWN"}
+# Statuses of a request the caller (or its deadline) ended before it finished.
+_CANCELLED_STATUSES = frozenset({"CANCELLED", "DEADLINE_EXCEEDED"})
 
 
 class ConfigSource(Protocol):
@@ -75,17 +78,20 @@ class _Progress:
         self.cached_tokens = 0
         self.energy_joules = 0.0
         self.energy_estimated = False
+        self.finish_reason = ""
         self.engine_called = False
         self.recorded = False
         self.started_at = time.time()
 
     def record(self, status: str) -> UsageRecord:
         return UsageRecord(
-            event_id=uuid.uuid4().hex, request_id=self.req.request_id,
+            event_id=uuid.uuid4().hex, request_id=self.req.request_id, source=Source.GATEWAY,
             tenant_id=self.caller.tenant_id, app=self.req.app, model=self.model,
             model_version=self.version, tier=self.caller.tier,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
             cached_tokens=min(self.cached_tokens, self.prompt_tokens), status=status,
+            finish_reason=self.finish_reason,
+            cancelled=status in _CANCELLED_STATUSES or self.finish_reason == "cancelled",
             started_at=self.started_at, finished_at=max(time.time(), self.started_at),
             energy_joules=self.energy_joules, energy_estimated=self.energy_estimated)
 
@@ -208,6 +214,7 @@ class Pipeline:
                       finish_reason=resp.finish_reason)
         if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             progress.cached_tokens = resp.usage.cached_tokens
+            progress.finish_reason = finish_reason_name(resp.finish_reason)
             progress.energy_joules = resp.energy_joules
             progress.energy_estimated = resp.energy_estimated
             chunk.prompt_tokens = progress.prompt_tokens

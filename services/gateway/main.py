@@ -18,7 +18,7 @@ from services.gateway.downstream import Channels, MeterClient, TokenizerClient
 from services.gateway.inference import ConfigSource, Pipeline
 from services.gateway.routing import Router
 from services.gateway.servicer import InferenceServicer
-from services.gateway.spool import SpoolSender, UsageSpool
+from tokenserve.spool import SpoolSender, UsageSpool
 
 from tokenserve.gateway.v1 import gateway_pb2_grpc
 from tokenserve.runtime.channels import aio_channel

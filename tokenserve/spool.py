@@ -1,6 +1,7 @@
-"""Usage events on local disk until the meter has them (at-least-once; the meter dedupes).
+"""Usage records on local disk until the meter has them (at-least-once; the meter dedupes).
 
-`UsageSpool.append` commits to a SQLite file (WAL, synchronous=FULL) before the gateway
+The gateway and every engine each keep one spool and one sender (this module, shared).
+`UsageSpool.append` commits to a SQLite file (WAL, synchronous=FULL) before the service
 sends the last message of a request, so a crash after that loses nothing. `SpoolSender`
 ships the oldest events in batches and deletes them only after the meter acknowledged them;
 while the meter is down it retries with exponential backoff.
@@ -8,39 +9,17 @@ while the meter is down it retries with exponential backoff.
 from __future__ import annotations
 
 import asyncio
-import json
 import sqlite3
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
 import structlog
 
+from tokenserve.usage import UsageRecord, from_json, to_json
+
 
 # Lazy: resolved at first use, after configure_logging (JSON lines).
 log = structlog.get_logger(component="spool")
-
-
-@dataclass(frozen=True)
-class UsageRecord:
-    """What one request used, as the gateway saw it. Never holds prompt or completion text."""
-
-    event_id: str
-    request_id: str
-    tenant_id: str
-    app: str
-    model: str
-    model_version: str
-    tier: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    # gRPC status code name the request ended with: "OK", "CANCELLED", ...
-    status: str
-    started_at: float
-    finished_at: float
-    energy_joules: float = 0.0
-    energy_estimated: bool = False
 
 
 class UsageSpool:
@@ -57,12 +36,12 @@ class UsageSpool:
     def append(self, record: UsageRecord) -> None:
         """Durable on return. The same event id twice is stored once."""
         self._conn.execute("INSERT OR IGNORE INTO spool (event_id, record) VALUES (?, ?)",
-                           (record.event_id, json.dumps(asdict(record))))
+                           (record.event_id, to_json(record)))
 
     def oldest(self, limit: int) -> list[tuple[int, UsageRecord]]:
         rows = self._conn.execute("SELECT seq, record FROM spool ORDER BY seq LIMIT ?",
                                   (limit,)).fetchall()
-        return [(seq, UsageRecord(**json.loads(text))) for seq, text in rows]
+        return [(seq, from_json(text)) for seq, text in rows]
 
     def delete(self, seqs: Sequence[int]) -> None:
         self._conn.executemany("DELETE FROM spool WHERE seq = ?", [(s,) for s in seqs])
