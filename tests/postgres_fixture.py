@@ -6,6 +6,8 @@ where it fails: a PostgreSQL test that did not run is a defect there, not a pass
 
     from tests.postgres_fixture import postgres_url  # noqa: F401  (pytest fixture)
 
+`postgres_url_module` is the same for a whole module.
+
 `postgres_url` is a postgresql:// URL whose search_path is the test's own schema, so a meter
 process given that URL sees only this test's tables; the schema is dropped afterwards.
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import os
 import uuid
+from contextlib import contextmanager
+from typing import Iterator
 from urllib.parse import quote
 
 import pytest
@@ -31,8 +35,9 @@ def _with_search_path(url: str, schema: str) -> str:
     return f"{url}{sep}options={quote(f'-csearch_path={schema}')}"
 
 
-@pytest.fixture
-def postgres_url():
+@contextmanager
+def postgres_schema() -> Iterator[str]:
+    """A fresh schema in the test database; yields its URL, drops it afterwards."""
     base = os.environ.get(POSTGRES_URL_ENV)
     if not base:
         _unavailable(f"set {POSTGRES_URL_ENV}=postgresql://... to a throw-away database")
@@ -49,3 +54,16 @@ def postgres_url():
     finally:
         with psycopg.connect(base, autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+@pytest.fixture
+def postgres_url():
+    with postgres_schema() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def postgres_url_module():
+    """One schema for a whole test module (for a module-scoped service)."""
+    with postgres_schema() as url:
+        yield url

@@ -15,7 +15,8 @@ from typing import Awaitable, Callable, Sequence
 
 import structlog
 
-from tokenserve.usage import UsageRecord, from_json, to_json
+from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
+from tokenserve.usage import UsageRecord, from_json, to_json, to_pb
 
 
 # Lazy: resolved at first use, after configure_logging (JSON lines).
@@ -55,6 +56,14 @@ class UsageSpool:
 
 # Sends a batch; returns once the meter has stored it (raises when it has not).
 SendFn = Callable[[list[UsageRecord]], Awaitable[None]]
+
+
+async def send_usage(stub: meter_pb2_grpc.MeterServiceStub, records: list[UsageRecord],
+                     timeout: float) -> None:
+    """One RecordUsage call for `records` (a SendFn body: raises when the meter has not
+    stored them)."""
+    await stub.RecordUsage(meter_pb2.RecordUsageRequest(events=[to_pb(r) for r in records]),
+                           timeout=timeout)
 
 
 class SpoolSender:

@@ -16,7 +16,8 @@ from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
 from tokenserve.runtime.channels import aio_channel
 from tokenserve.runtime.errors import from_rpc_error
 from tokenserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from tokenserve.usage import UsageRecord, to_pb
+from tokenserve.spool import send_usage
+from tokenserve.usage import UsageRecord
 
 
 class Channels:
@@ -86,9 +87,7 @@ class MeterClient:
         self._timeout = timeout
 
     async def record(self, records: list[UsageRecord]) -> None:
-        await self._stub.RecordUsage(
-            meter_pb2.RecordUsageRequest(events=[to_pb(r) for r in records]),
-            timeout=self._timeout)
+        await send_usage(self._stub, records, self._timeout)
 
     async def query(self, request: meter_pb2.QueryUsageRequest,
                     timeout: float) -> meter_pb2.QueryUsageResponse:

@@ -71,7 +71,8 @@ def build(config: GatewayConfig, source: ConfigSource) -> tuple[GrpcServer, Spoo
     spool = UsageSpool(config.spool_path)
     metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
     meter_channel, tokenizer_channel = aio_channel(config.meter), aio_channel(config.tokenizer)
-    sender = SpoolSender(spool, MeterClient(meter_channel).record,
+    meter = MeterClient(meter_channel)
+    sender = SpoolSender(spool, meter.record,
                          batch_size=config.spool_batch_size,
                          max_backoff=config.spool_max_backoff_seconds,
                          on_sent=lambda n: (metrics.USAGE_EVENTS_SENT.inc(n),
@@ -91,7 +92,7 @@ def build(config: GatewayConfig, source: ConfigSource) -> tuple[GrpcServer, Spoo
     server = GrpcServer(
         "gateway",
         [Registration(SERVICE_NAME, gateway_pb2_grpc.add_InferenceServiceServicer_to_server,
-                      InferenceServicer(pipeline, config.request_timeout_seconds))],
+                      InferenceServicer(pipeline, config.request_timeout_seconds, meter))],
         ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port),
         on_stop=[close_all])
     return server, sender
