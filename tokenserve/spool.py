@@ -4,15 +4,19 @@ The gateway and every engine each keep one spool and one sender (this module, sh
 `UsageSpool.append` commits to a SQLite file (WAL, synchronous=FULL) before the service
 sends the last message of a request, so a crash after that loses nothing. `SpoolSender`
 ships the oldest events in batches and deletes them only after the meter acknowledged them;
-while the meter is down it retries with exponential backoff.
+while the meter is down it retries with exponential backoff. A record the meter refuses for
+good (INVALID_ARGUMENT naming `events[i]`: say its tenant was deleted) moves to the spool's
+`refused` table, kept for an operator, so one bad record never blocks the others.
 """
 from __future__ import annotations
 
 import asyncio
+import re
 import sqlite3
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
+import grpc
 import structlog
 
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
@@ -33,6 +37,8 @@ class UsageSpool:
         self._conn.execute("PRAGMA busy_timeout=5000")
         self._conn.execute("CREATE TABLE IF NOT EXISTS spool (seq INTEGER PRIMARY KEY"
                            " AUTOINCREMENT, event_id TEXT UNIQUE NOT NULL, record TEXT NOT NULL)")
+        self._conn.execute("CREATE TABLE IF NOT EXISTS refused (event_id TEXT PRIMARY KEY,"
+                           " record TEXT NOT NULL, reason TEXT NOT NULL)")
 
     def append(self, record: UsageRecord) -> None:
         """Durable on return. The same event id twice is stored once."""
@@ -47,6 +53,19 @@ class UsageSpool:
     def delete(self, seqs: Sequence[int]) -> None:
         self._conn.executemany("DELETE FROM spool WHERE seq = ?", [(s,) for s in seqs])
 
+    def refuse(self, seq: int, reason: str) -> None:
+        """Moves one record out of the send queue into `refused` (one transaction)."""
+        with self._conn:
+            self._conn.execute("BEGIN")
+            self._conn.execute("INSERT OR REPLACE INTO refused (event_id, record, reason)"
+                               " SELECT event_id, record, ? FROM spool WHERE seq = ?",
+                               (reason, seq))
+            self._conn.execute("DELETE FROM spool WHERE seq = ?", (seq,))
+
+    def refused(self) -> list[tuple[UsageRecord, str]]:
+        return [(from_json(text), reason) for text, reason in
+                self._conn.execute("SELECT record, reason FROM refused").fetchall()]
+
     def __len__(self) -> int:
         return self._conn.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
 
@@ -58,12 +77,30 @@ class UsageSpool:
 SendFn = Callable[[list[UsageRecord]], Awaitable[None]]
 
 
+class Refused(Exception):
+    """The meter refused the batch for good because of one record (`index` in the batch)."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(reason)
+        self.index, self.reason = index, reason
+
+
+_REFUSED_EVENT = re.compile(r"^events\[(\d+)\]")
+
+
 async def send_usage(stub: meter_pb2_grpc.MeterServiceStub, records: list[UsageRecord],
                      timeout: float) -> None:
     """One RecordUsage call for `records` (a SendFn body: raises when the meter has not
-    stored them)."""
-    await stub.RecordUsage(meter_pb2.RecordUsageRequest(events=[to_pb(r) for r in records]),
-                           timeout=timeout)
+    stored them; Refused when it names the record it will never take)."""
+    try:
+        await stub.RecordUsage(
+            meter_pb2.RecordUsageRequest(events=[to_pb(r) for r in records]), timeout=timeout)
+    except grpc.RpcError as e:
+        details = (e.details() or "") if hasattr(e, "details") else ""
+        m = _REFUSED_EVENT.match(details)
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT and m and int(m.group(1)) < len(records):
+            raise Refused(int(m.group(1)), details) from None
+        raise
 
 
 class SpoolSender:
@@ -92,7 +129,14 @@ class SpoolSender:
         first failed batch (those events stay spooled)."""
         sent = 0
         while batch := self._spool.oldest(self._batch_size):
-            await self._send([r for _, r in batch])
+            try:
+                await self._send([r for _, r in batch])
+            except Refused as e:
+                seq, record = batch[e.index]
+                self._spool.refuse(seq, e.reason)
+                log.error("usage_record_refused", event_id=record.event_id,
+                          request_id=record.request_id, reason=e.reason[:300])
+                continue
             self._spool.delete([seq for seq, _ in batch])
             sent += len(batch)
             if self._on_sent:

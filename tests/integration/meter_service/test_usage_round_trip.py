@@ -48,6 +48,13 @@ def engine_record(tmp_path) -> UsageRecord:
     return rec
 
 
+def start_meter(tmp_path) -> ServiceProcess:
+    port = free_port()
+    return ServiceProcess("services.meter", ["--port", str(port), "--metrics-port", "-1",
+                                             "--db", str(tmp_path / "meter.db")],
+                          port, log_path=tmp_path / "meter.log").start()
+
+
 def test_every_field_reaches_the_stored_row_unchanged(tmp_path):
     records = [gateway_record(), engine_record(tmp_path)]
     # Between them the two records set every field off its default, so none can be dropped
@@ -56,11 +63,8 @@ def test_every_field_reaches_the_stored_row_unchanged(tmp_path):
     covered = {n for r in records for n in FIELDS if getattr(r, n) != getattr(blank, n)}
     assert covered == set(FIELDS)
 
-    port = free_port()
     db = tmp_path / "meter.db"
-    meter = ServiceProcess("services.meter", ["--port", str(port), "--metrics-port", "-1",
-                                              "--db", str(db)],
-                           port, log_path=tmp_path / "meter.log").start()
+    meter = start_meter(tmp_path)
     try:
         async def ship():
             spool = UsageSpool(tmp_path / "spool.db")
@@ -83,3 +87,31 @@ def test_every_field_reaches_the_stored_row_unchanged(tmp_path):
     assert stored == sorted(records, key=lambda r: r.source.value)
     for want, got in zip(sorted(records, key=lambda r: r.source.value), stored):
         assert dataclasses.asdict(got) == dataclasses.asdict(want)
+
+
+def test_a_record_the_meter_refuses_for_good_is_set_aside_and_the_rest_is_sent(tmp_path):
+    good = gateway_record()
+    stale = dataclasses.replace(good, event_id="stale", started_at=1.0, finished_at=2.0)
+    later = dataclasses.replace(good, event_id="later")
+    meter = start_meter(tmp_path)
+    try:
+        async def ship():
+            spool = UsageSpool(tmp_path / "spool.db")
+            for r in (good, stale, later):
+                spool.append(r)
+            async with grpc.aio.insecure_channel(meter.target) as ch:
+                stub = meter_pb2_grpc.MeterServiceStub(ch)
+                await SpoolSender(spool, lambda b: send_usage(stub, b, 10.0)).send_pending()
+            left, refused = len(spool), spool.refused()
+            spool.close()
+            return left, refused
+
+        left, refused = asyncio.run(ship())
+    finally:
+        meter.stop()
+    assert left == 0
+    assert [(r.event_id, "outside the accepted window" in why) for r, why in refused] == [
+        ("stale", True)]
+    ledger = Ledger.open(str(tmp_path / "meter.db"))
+    assert sorted(e.event_id for e in ledger.events(UsageQuery())) == [good.event_id, "later"]
+    ledger.close()
