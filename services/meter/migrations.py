@@ -42,7 +42,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 )
 LATEST = len(MIGRATIONS)
 
-_VERSION_TABLE = ("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY,"
+VERSION_TABLE = ("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY,"
                   " applied_at DOUBLE PRECISION NOT NULL)")
 
 
@@ -66,7 +66,3 @@ def pending(version: int) -> list[tuple[int, tuple[str, ...]]]:
             f"the ledger's schema is version {version}, newer than this meter knows"
             f" ({LATEST}); run a meter at least as new as the one that wrote it")
     return [(n, MIGRATIONS[n - 1]) for n in range(version + 1, LATEST + 1)]
-
-
-def version_table_statement() -> str:
-    return _VERSION_TABLE

@@ -39,7 +39,7 @@ class Ledger:
             if self._postgres:
                 cur.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
             legacy = self._has_table(cur, "usage_events")
-            cur.execute(migrations.version_table_statement())
+            cur.execute(migrations.VERSION_TABLE)
             version = migrations.current_version(cur, legacy_table=legacy)
             steps = migrations.pending(version)
             if legacy and version == 1:
