@@ -15,8 +15,8 @@ from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
 from tokenserve.runtime.channels import aio_channel
 from tokenserve.runtime.errors import from_rpc_error
-from tokenserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenserve.spool import send_usage
+from tokenserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenserve.usage import UsageRecord
 
 

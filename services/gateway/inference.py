@@ -28,10 +28,10 @@ from services.gateway.downstream import (Channels, TokenizerClient, engine_reque
 from services.gateway.routing import Router, Target
 from services.gateway.validation import InferenceRequest, check_context
 from tokenserve.common.v1 import common_pb2
-from tokenserve.spool import SpoolSender, UsageSpool
-from tokenserve.usage import Source, UsageRecord, finish_reason_name
 from tokenserve.runtime.errors import (DeadlineExceeded, ServiceError, Unavailable,
                                        from_rpc_error)
+from tokenserve.spool import SpoolSender, UsageSpool
+from tokenserve.usage import Source, UsageRecord, finish_reason_name
 
 # Lazy: resolved at first use, after configure_logging (JSON lines).
 log = structlog.get_logger(component="inference")

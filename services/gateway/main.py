@@ -18,7 +18,6 @@ from services.gateway.downstream import Channels, MeterClient, TokenizerClient
 from services.gateway.inference import ConfigSource, Pipeline
 from services.gateway.routing import Router
 from services.gateway.servicer import InferenceServicer
-from tokenserve.spool import SpoolSender, UsageSpool
 
 from tokenserve.gateway.v1 import gateway_pb2_grpc
 from tokenserve.runtime.channels import aio_channel
@@ -26,6 +25,7 @@ from tokenserve.runtime.errors import ServiceError
 from tokenserve.runtime.logging import configure_logging
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
 from tokenserve.runtime.config import add_server_args
+from tokenserve.spool import SpoolSender, UsageSpool
 
 SERVICE_NAME = "tokenserve.gateway.v1.InferenceService"
 # Lazy: resolved at first use, after configure_logging (JSON lines).
