@@ -3,8 +3,9 @@
 Both records describe the same request, so they must agree on who ran what and how many
 tokens it used. Two rules follow from how a stream ends:
 
-- A request split over several records of one source (an engine retry before the first
-  token) is compared on the sums.
+- A request split over several records of one source is compared on the sums, leaving out
+  an engine's failed attempt (finish reason "error") when another engine served the request:
+  the gateway retried elsewhere before the first token and billed only the attempt that ran.
 - When the request was cancelled (either side says so), the engine may have computed tokens
   the gateway never received, and the gateway never saw the engine's final counts: the
   engine's completion tokens must be >= the gateway's, and cached tokens are not compared.
@@ -25,6 +26,8 @@ COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 def _merge(records: list[UsageRecord]) -> dict | None:
     if not records:
         return None
+    served = [r for r in records if r.finish_reason != "error"]
+    records = served or records
     first = records[0]
     merged = {name: getattr(first, name) for name in LABELS}
     for name in COUNTS:

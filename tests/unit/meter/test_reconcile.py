@@ -36,12 +36,14 @@ def test_reports_every_mismatch_with_its_field_and_counts_the_matches(ledger):
     assert result.drift() == {"mismatch": 3, "missing_engine": 1, "missing_gateway": 1}
 
 
-def test_engine_records_of_one_request_are_summed(ledger):
-    # A retry before the first token leaves an empty record on the first engine.
+def test_engine_records_of_one_request_are_summed_without_failed_attempts(ledger):
+    # A retry before the first token leaves an empty or a failed record on the first engine.
     ledger.record([
         event("g", request_id="r", prompt_tokens=10, completion_tokens=5),
         event("e-a", request_id="r", source=ENGINE, prompt_tokens=0, completion_tokens=0),
         event("e-b", request_id="r", source=ENGINE, prompt_tokens=10, completion_tokens=5),
+        event("e-c", request_id="r", source=ENGINE, prompt_tokens=10, completion_tokens=0,
+              finish_reason="error", status="UNAVAILABLE"),
     ])
     result = run(ledger)
     assert (result.matched, result.mismatches) == (1, ())
