@@ -124,7 +124,8 @@ class Suite:
         model = str(self.model_path or default_model_path())
         if name == "meter":
             return ["--port", str(p.meter), "--metrics-port", str(p.meter_metrics),
-                    "--db", str(self.data_dir / "meter.db")]
+                    "--db", str(self.data_dir / "meter.db"), *etcd,
+                    "--config-snapshot", str(self.data_dir / "meter-config.json")]
         if name == "tokenizer":
             return ["--port", str(p.tokenizer), "--metrics-port", str(p.tokenizer_metrics),
                     "--model", f"{DEFAULT_MODEL_NAME}={model}", *etcd,
@@ -132,7 +133,9 @@ class Suite:
         if name == "engine":
             return ["--port", str(p.engine), "--metrics-port", str(p.engine_metrics),
                     "--model-path", model, "--model-name", DEFAULT_MODEL_NAME,
-                    "--version", DEFAULT_MODEL_VERSION, *etcd, *self.engine_args]
+                    "--version", DEFAULT_MODEL_VERSION, *etcd,
+                    "--meter", self.address("meter"),
+                    "--spool", str(self.data_dir / "engine-spool.db"), *self.engine_args]
         if name == "gateway":
             return ["--port", str(p.gateway), "--metrics-port", str(p.gateway_metrics), *etcd,
                     "--tokenizer", self.address("tokenizer"), "--meter", self.address("meter"),

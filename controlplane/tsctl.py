@@ -6,6 +6,8 @@
     tsctl route canary smollm2-135m-instruct q8_0 10
     tsctl history tiers/free
     tsctl rollback tiers/free --to-revision 12
+    tsctl usage --since 24h --group-by tenant,model   # from the meter
+    tsctl usage reconcile --since 1h
 
 Tables by default, `--json` for scripts. Exit codes: 0 ok, 1 the operation failed (etcd
 unreachable, conflict, not found, ...), 2 bad usage or invalid values. The audit actor is
@@ -24,6 +26,7 @@ from controlplane import admin, schema
 from controlplane.etcd_client import EtcdOptions
 from controlplane.store import ConfigStore
 from controlplane.tsctl_args import build_parser, parse_assignments, parse_ladder
+from controlplane.tsctl_usage import cmd_usage
 from controlplane.watcher import ConfigWatcher
 from tokenserve.runtime.errors import InvalidArgument, ServiceError
 from tokenserve.runtime.logging import configure_logging
@@ -312,6 +315,8 @@ async def run(a: argparse.Namespace) -> int:
     out = Output(a.json)
     if a.command == "watch":
         return await cmd_watch(options, a, out)
+    if a.command == "usage":  # the meter, not etcd
+        return await cmd_usage(a, out)
     async with ConfigStore(options) as store:
         return await COMMANDS[a.command](store, a, out)
 
@@ -319,7 +324,8 @@ async def run(a: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(default_endpoints=os.environ.get("TOKENSERVE_ETCD", "127.0.0.1:2379"),
                           default_actor=os.environ.get("USER") or os.environ.get("LOGNAME") or "unknown",
-                          default_password=os.environ.get("TOKENSERVE_ETCD_PASSWORD"))
+                          default_password=os.environ.get("TOKENSERVE_ETCD_PASSWORD"),
+                          default_meter=os.environ.get("TOKENSERVE_METER", "127.0.0.1:50054"))
     args = parser.parse_args(argv)
     configure_logging("tsctl", level="warning")  # library logs to stderr; stdout is the output
     try:

@@ -5,6 +5,7 @@ import argparse
 from typing import Sequence
 
 from controlplane import schema
+from controlplane.tsctl_usage import add_usage_parser
 from tokenserve.runtime.errors import InvalidArgument
 
 
@@ -27,7 +28,8 @@ def _connection_args(p: argparse.ArgumentParser, defaults: dict | None) -> None:
 
 
 def build_parser(*, default_endpoints: str, default_actor: str,
-                 default_password: str | None = None) -> argparse.ArgumentParser:
+                 default_password: str | None = None,
+                 default_meter: str = "127.0.0.1:50054") -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="tsctl", description="Admin CLI for the tokenserve control plane (etcd).")
     _connection_args(top, {"endpoints": default_endpoints, "user": None, "password": default_password,
                            "etcd_ca": None, "etcd_cert": None, "etcd_key": None, "timeout": 5.0,
@@ -123,6 +125,7 @@ def build_parser(*, default_endpoints: str, default_actor: str,
                    parents=[conn])
     p = sub.add_parser("watch", help="print config changes as they happen", parents=[conn])
     p.add_argument("--count", type=int, default=0, help="exit after N changes (0: run until Ctrl-C)")
+    add_usage_parser(sub, conn, default_meter)
     return top
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from tokenserve.runtime.config import check_ports
+from tokenserve.runtime.config import check_endpoint, check_ports
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -52,6 +52,10 @@ class EngineConfig:
     # Power figure used for energy when no counter is readable (reported as estimated).
     watts: float = 15.0
     etcd_endpoints: tuple[str, ...] = ()
+    # Meter host:port for the engine's own usage records (None: no records), and the SQLite
+    # file holding them until the meter has them.
+    meter: str | None = None
+    spool_path: str = "var/engine-spool.db"
     # Externally reachable address registered in etcd (default host:port).
     advertise: str | None = None
     grace_seconds: float = 5.0
@@ -92,5 +96,9 @@ class EngineConfig:
             host, _, port = ep.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"etcd endpoint must be host:port, got {ep!r}")
+        if self.meter is not None:
+            check_endpoint("--meter", self.meter)
+        if not self.spool_path:
+            raise ValueError("spool_path must be a file path")
         if self.grace_seconds < 0 or self.drain_seconds < 0:
             raise ValueError("grace_seconds and drain_seconds must be >= 0")

@@ -143,8 +143,14 @@ class AsyncEngine:
     """The asyncio side: `generate(seq)` yields that request's outputs until it finishes;
     leaving the iteration early (cancel, deadline, error) aborts it on the step thread."""
 
-    def __init__(self, build: Callable[[], EngineCore]):
+    def __init__(self, build: Callable[[], EngineCore],
+                 on_final: Callable[[Sequence, RequestOutput], None] | None = None):
         self._queues: dict[int, asyncio.Queue] = {}
+        # Submitted and without a final output yet; a stream left early stays here until
+        # its abort's final output arrives, so `on_final` sees cancelled requests too.
+        self._unfinished: dict[int, Sequence] = {}
+        # Called on the event loop with each request's final output (usage records).
+        self.on_final = on_final
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
         self.loop = EngineLoop(build, self._deliver)
@@ -178,6 +184,7 @@ class AsyncEngine:
     async def generate(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[seq.seq_id] = q
+        self._unfinished[seq.seq_id] = seq
         finished = False
         try:
             self.loop.submit(seq)
@@ -205,6 +212,18 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.final is not None:
+                self._finished(out)
             q = self._queues.get(out.seq_id)
             if q is not None:
                 q.put_nowait(out)
+
+    def _finished(self, out: RequestOutput) -> None:
+        seq = self._unfinished.pop(out.seq_id, None)
+        if seq is None or self.on_final is None:
+            return
+        try:
+            self.on_final(seq, out)
+        except Exception as e:  # noqa: BLE001 - a usage write must not stop other streams
+            log.error("on_final_failed", exc_type=type(e).__name__, error=str(e)[:200],
+                      request_id=out.request_id)

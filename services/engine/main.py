@@ -64,6 +64,11 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--watts", type=float, default=15.0,
                    help="power figure for energy when no RAPL counter is readable")
     p.add_argument("--etcd-endpoints", default="", help="host:port[,host:port...]")
+    p.add_argument("--meter", default=None,
+                   help="meter host:port: the engine sends its own usage record of every"
+                        " request there (default: none)")
+    p.add_argument("--spool", default="var/engine-spool.db",
+                   help="SQLite file holding usage records until the meter has them")
     p.add_argument("--advertise", default=None, help="host:port registered in etcd")
     p.add_argument("--grace-seconds", type=float, default=5.0)
     p.add_argument("--drain-seconds", type=float, default=1.0)
@@ -82,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
             enable_prefix_caching=not a.no_prefix_caching, watts=a.watts,
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
+            meter=a.meter, spool_path=a.spool,
             advertise=a.advertise, grace_seconds=a.grace_seconds, drain_seconds=a.drain_seconds,
             log_level=a.log_level)
     except (ValueError, FileNotFoundError) as e:
@@ -141,12 +147,15 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
     engine = AsyncEngine(lambda: build(config))
     servicer = EngineServicer(engine)
     registration: list = []  # the etcd handle, once registered
+    usage_stop = _start_usage(config, engine) if config.meter else None
 
     async def stop_engine():
         task.cancel()  # a registration still retrying (etcd down) gives up
         for handle in registration:
             await handle.close()
         await asyncio.to_thread(engine.stop)
+        if usage_stop is not None:
+            await usage_stop()
 
     server = GrpcServer(
         "engine", [Registration(SERVICE_NAME, engine_pb2_grpc.add_EngineServiceServicer_to_server,
@@ -181,6 +190,33 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
     finally:
         task.cancel()
     return 1 if failed else 0
+
+
+def _start_usage(config: EngineConfig, engine: AsyncEngine):
+    """Spool + sender of the engine's usage records; returns the stop function (flushes
+    what it can, then closes)."""
+    from services.engine.usage import EngineUsage, on_sent
+    from tokenserve.meter.v1 import meter_pb2_grpc
+    from tokenserve.runtime.channels import aio_channel
+    from tokenserve.spool import SpoolSender, UsageSpool, send_usage
+
+    spool = UsageSpool(config.spool_path)
+    channel = aio_channel(config.meter)
+    stub = meter_pb2_grpc.MeterServiceStub(channel)
+    sender = SpoolSender(spool, lambda records: send_usage(stub, records, 10.0),
+                         on_sent=on_sent)
+    usage = EngineUsage(config.model_name, config.version, spool, sender)
+    engine.on_final = usage.record
+    sender.start()
+    log.info("usage_sender_started", meter=config.meter, spool=config.spool_path,
+             pending=len(spool))
+
+    async def stop():
+        await sender.stop()
+        spool.close()
+        await channel.close()
+
+    return stop
 
 
 async def _register(config: EngineConfig, port: int, max_context: int, out: list) -> None:

@@ -1,19 +1,10 @@
 """Gateway settings, validated on construction (main.py is the only place that reads flags)."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from tokenserve.models import DEFAULT_MODEL_NAME
-from tokenserve.runtime.config import check_ports
-
-_ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
-
-
-def check_endpoint(what: str, value: str) -> None:
-    m = _ENDPOINT_RE.match(value)
-    if m is None or not 0 < int(m.group(2)) < 65536:
-        raise ValueError(f"{what} must be host:port with a port in 1-65535, got {value!r}")
+from tokenserve.runtime.config import check_endpoint, check_ports
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from typing import AsyncIterator, Sequence
 
 import grpc
 
-from services.gateway.spool import UsageRecord
 from services.gateway.validation import InferenceRequest
 from tokenserve import sampling
 from tokenserve.common.v1 import common_pb2
@@ -20,7 +19,9 @@ from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
 from tokenserve.runtime.channels import aio_channel
 from tokenserve.runtime.errors import ServiceError, from_rpc_error
+from tokenserve.spool import send_usage
 from tokenserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tokenserve.usage import UsageRecord
 
 
 class Channels:
@@ -175,12 +176,13 @@ class MeterClient:
         self._timeout = timeout
 
     async def record(self, records: list[UsageRecord]) -> None:
-        events = [meter_pb2.UsageEvent(
-            event_id=r.event_id, request_id=r.request_id, source=meter_pb2.SOURCE_GATEWAY,
-            tenant_id=r.tenant_id, app=r.app, model=r.model, model_version=r.model_version,
-            tier=r.tier, prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens,
-            cached_tokens=r.cached_tokens, status=r.status, started_at=r.started_at,
-            finished_at=r.finished_at, energy_joules=r.energy_joules,
-            energy_estimated=r.energy_estimated) for r in records]
-        await self._stub.RecordUsage(meter_pb2.RecordUsageRequest(events=events),
-                                     timeout=self._timeout)
+        await send_usage(self._stub, records, self._timeout)
+
+    async def query(self, request: meter_pb2.QueryUsageRequest,
+                    timeout: float) -> meter_pb2.QueryUsageResponse:
+        """The meter's answer; its errors keep their status (a bad window stays
+        INVALID_ARGUMENT), an unreachable meter is UNAVAILABLE."""
+        try:
+            return await self._stub.QueryUsage(request, timeout=min(timeout, self._timeout))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, context="meter") from None

@@ -30,10 +30,11 @@ from services.gateway.downstream import (EngineChunk, EngineClient, EngineRefuse
                                          FinishReason, TokenizerClient, TokenLogprob)
 from services.gateway.quota_store import QuotaStore
 from services.gateway.routing import Router
-from services.gateway.spool import SpoolSender, UsageRecord, UsageSpool
 from services.gateway.validation import InferenceRequest, check_context
 from tokenserve.runtime.errors import (DeadlineExceeded, ResourceExhausted, ServiceError,
                                        Unavailable)
+from tokenserve.spool import SpoolSender, UsageSpool
+from tokenserve.usage import Source, UsageRecord
 
 # Lazy: resolved at first use, after configure_logging (JSON lines).
 log = structlog.get_logger(component="inference")
@@ -41,6 +42,8 @@ log = structlog.get_logger(component="inference")
 
 # How an engine-reported finish is written in the usage record's status.
 _FINISH_STATUS = {FinishReason.CANCELLED: "CANCELLED", FinishReason.ERROR: "UNKNOWN"}
+# Statuses of a request the caller (or its deadline) ended before it finished.
+_CANCELLED_STATUSES = frozenset({"CANCELLED", "DEADLINE_EXCEEDED"})
 
 
 class ConfigSource(Protocol):
@@ -78,6 +81,7 @@ class _Progress:
         self.cached_tokens = 0
         self.energy_joules = 0.0
         self.energy_estimated = False
+        self.finish_reason = ""
         # An engine took the request (did work): it is billed and metered.
         self.engine_called = False
         self.recorded = False
@@ -85,11 +89,13 @@ class _Progress:
 
     def record(self, status: str) -> UsageRecord:
         return UsageRecord(
-            event_id=uuid.uuid4().hex, request_id=self.req.request_id,
+            event_id=uuid.uuid4().hex, request_id=self.req.request_id, source=Source.GATEWAY,
             tenant_id=self.caller.tenant_id, app=self.req.app, model=self.model,
             model_version=self.version, tier=self.caller.tier,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
             cached_tokens=min(self.cached_tokens, self.prompt_tokens), status=status,
+            finish_reason=self.finish_reason,
+            cancelled=status in _CANCELLED_STATUSES or self.finish_reason == "cancelled",
             started_at=self.started_at, finished_at=max(time.time(), self.started_at),
             energy_joules=self.energy_joules, energy_estimated=self.energy_estimated)
 
@@ -233,6 +239,7 @@ class Pipeline:
                       finish_reason=resp.finish_reason)
         if resp.finish_reason is not None:
             progress.cached_tokens = resp.cached_tokens
+            progress.finish_reason = resp.finish_reason.value
             progress.energy_joules = resp.energy_joules
             progress.energy_estimated = resp.energy_estimated
             chunk.prompt_tokens = progress.prompt_tokens

@@ -20,7 +20,6 @@ from services.gateway.quota_store import (MemoryQuotaStore, NoQuotaStore, QuotaS
                                           RedisQuotaStore)
 from services.gateway.routing import Router
 from services.gateway.servicer import InferenceServicer
-from services.gateway.spool import SpoolSender, UsageSpool
 
 from tokenserve.gateway.v1 import gateway_pb2_grpc
 from tokenserve.runtime.channels import aio_channel
@@ -28,6 +27,7 @@ from tokenserve.runtime.errors import ServiceError
 from tokenserve.runtime.logging import configure_logging
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
 from tokenserve.runtime.config import add_server_args
+from tokenserve.spool import SpoolSender, UsageSpool
 
 SERVICE_NAME = "tokenserve.gateway.v1.InferenceService"
 # Lazy: resolved at first use, after configure_logging (JSON lines).
@@ -90,7 +90,8 @@ def build(config: GatewayConfig, source: ConfigSource) -> tuple[GrpcServer, Spoo
     spool = UsageSpool(config.spool_path)
     metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
     meter_channel, tokenizer_channel = aio_channel(config.meter), aio_channel(config.tokenizer)
-    sender = SpoolSender(spool, MeterClient(meter_channel).record,
+    meter = MeterClient(meter_channel)
+    sender = SpoolSender(spool, meter.record,
                          batch_size=config.spool_batch_size,
                          max_backoff=config.spool_max_backoff_seconds,
                          on_sent=lambda n: (metrics.USAGE_EVENTS_SENT.inc(n),
@@ -112,7 +113,7 @@ def build(config: GatewayConfig, source: ConfigSource) -> tuple[GrpcServer, Spoo
     server = GrpcServer(
         "gateway",
         [Registration(SERVICE_NAME, gateway_pb2_grpc.add_InferenceServiceServicer_to_server,
-                      InferenceServicer(pipeline, config.request_timeout_seconds))],
+                      InferenceServicer(pipeline, config.request_timeout_seconds, meter))],
         ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port),
         on_stop=[close_all])
     return server, sender

@@ -7,14 +7,15 @@ from contextlib import aclosing
 
 from services.gateway import metrics
 from services.gateway.auth import Caller, authenticate
-from services.gateway.downstream import FINISH_TO_PB, TokenLogprob
+from services.gateway.downstream import FINISH_TO_PB, MeterClient, TokenLogprob
 from services.gateway.inference import Chunk, Pipeline
+from services.gateway.usage import tenant_usage_query
 from services.gateway.validation import (InferenceRequest, Message, check_messages,
                                          check_prompt, validate)
 from tokenserve import sampling
 from tokenserve.common.v1 import common_pb2
 from tokenserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from tokenserve.runtime.errors import ServiceError
+from tokenserve.runtime.errors import ServiceError, Unavailable
 from tokenserve.sampling import SamplingParams
 
 # Controls the public requests also take at the top level (the common ones, as in OpenAI's API).
@@ -62,9 +63,11 @@ def chunk_to_pb(chunk: Chunk, *, first: bool) -> gateway_pb2.GenerateResponse:
 
 
 class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, pipeline: Pipeline, default_timeout: float):
+    def __init__(self, pipeline: Pipeline, default_timeout: float,
+                 meter: MeterClient | None = None):
         self._pipeline = pipeline
         self._default_timeout = default_timeout
+        self._meter = meter
 
     def _timeout(self, context) -> float:
         remaining = context.time_remaining()
@@ -143,3 +146,13 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
                 for m in infos])
 
         return await self._unary("ListModels", context, models)
+
+    async def GetUsage(self, request, context):
+        async def usage():
+            if self._meter is None:
+                raise Unavailable("this gateway has no meter to read usage from")
+            query = tenant_usage_query(self._caller(context), request)
+            resp = await self._meter.query(query, self._timeout(context))
+            return gateway_pb2.GetUsageResponse(rows=resp.rows)
+
+        return await self._unary("GetUsage", context, usage)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from services.meter.usage import DEFAULT_MAX_AGE_SECONDS, DEFAULT_MAX_AHEAD_SECONDS
 from tokenserve.runtime.config import check_ports
 
 
@@ -13,12 +16,20 @@ class MeterConfig:
     metrics_port: int | None = 9104
     # A SQLite file path, or a postgresql:// URL for a ledger shared by several replicas.
     db: str = "var/meter.db"
+    # Accepted finish times of recorded events, relative to the meter's clock.
+    max_age_seconds: float = DEFAULT_MAX_AGE_SECONDS
+    max_ahead_seconds: float = DEFAULT_MAX_AHEAD_SECONDS
+    # With etcd, events of a tenant that is not configured are refused; without, not checked.
+    etcd_endpoints: tuple[str, ...] = ()
+    config_snapshot: Path | None = None
     log_level: str = "info"
 
     def __post_init__(self):
         check_ports(self.port, self.metrics_port)
         if not self.db:
             raise ValueError("db must be a SQLite path or a postgresql:// URL")
+        if not self.max_age_seconds > 0 or not self.max_ahead_seconds >= 0:
+            raise ValueError("max_age_seconds must be > 0 and max_ahead_seconds >= 0")
 
     @property
     def postgres(self) -> bool:

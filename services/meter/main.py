@@ -1,16 +1,20 @@
-"""`python -m services.meter --port 50054 --metrics-port 9104 --db var/meter.db`"""
+"""`python -m services.meter --port 50054 --metrics-port 9104 --db var/meter.db
+[--etcd-endpoints 127.0.0.1:2379]`"""
 from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 
 from services.meter.config import MeterConfig
+from services.meter.migrations import SchemaTooNew
 from services.meter.servicer import MeterServicer
 from services.meter.store import Ledger
+from services.meter.usage import IngestRules
 from tokenserve.meter.v1 import meter_pb2_grpc
+from tokenserve.runtime.config import add_server_args
 from tokenserve.runtime.logging import configure_logging
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
-from tokenserve.runtime.config import add_server_args
 
 SERVICE_NAME = "tokenserve.meter.v1.MeterService"
 
@@ -21,29 +25,58 @@ def parse_args(argv: list[str] | None = None) -> MeterConfig:
     add_server_args(p, port=50054, metrics_port=9104)
     p.add_argument("--db", default="var/meter.db",
                    help="SQLite file (WAL) or a postgresql://user@host/db URL")
+    p.add_argument("--max-age-seconds", type=float, default=MeterConfig.max_age_seconds,
+                   help="refuse events that finished longer ago than this (default 35 days)")
+    p.add_argument("--max-ahead-seconds", type=float, default=MeterConfig.max_ahead_seconds,
+                   help="refuse events that finish further in the future (default 300)")
+    p.add_argument("--etcd-endpoints", default="",
+                   help="host:port[,...]; events of tenants not configured there are refused")
+    p.add_argument("--config-snapshot", type=Path, default=None,
+                   help="last known good etcd config (used when etcd is down at start)")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
     try:
-        return MeterConfig(host=a.host, port=a.port,
-                           metrics_port=a.metrics_port,
-                           db=a.db, log_level=a.log_level)
+        return MeterConfig(
+            host=a.host, port=a.port, metrics_port=a.metrics_port, db=a.db,
+            max_age_seconds=a.max_age_seconds, max_ahead_seconds=a.max_ahead_seconds,
+            etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
+            config_snapshot=a.config_snapshot, log_level=a.log_level)
     except ValueError as e:
         p.error(str(e))
 
 
-async def serve(config: MeterConfig):
+async def serve(config: MeterConfig) -> int:
     log = configure_logging("meter", config.log_level)
-    ledger = Ledger.open(config.db)
-    servicer = MeterServicer(ledger)
+    try:
+        ledger = Ledger.open(config.db)
+    except SchemaTooNew as e:
+        log.error("ledger_schema_too_new", error=e.message)
+        return 1
+    on_stop = []
+    known_tenants = None
+    if config.etcd_endpoints:
+        from controlplane.watcher import ConfigWatcher
+
+        watcher = ConfigWatcher(list(config.etcd_endpoints), service="meter",
+                                snapshot_path=config.config_snapshot)
+        await watcher.start()
+        on_stop.append(watcher.close)
+        known_tenants = lambda: watcher.snapshot.tenants.keys()  # noqa: E731
+    rules = IngestRules(max_age_seconds=config.max_age_seconds,
+                        max_ahead_seconds=config.max_ahead_seconds,
+                        **({"known_tenants": known_tenants} if known_tenants else {}))
+    servicer = MeterServicer(ledger, rules)
     server = GrpcServer(
         "meter",
         [Registration(SERVICE_NAME, meter_pb2_grpc.add_MeterServiceServicer_to_server, servicer)],
         ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port),
-        on_stop=[servicer.close])
-    log.info("ledger_open", backend="postgresql" if config.postgres else "sqlite")
+        on_stop=[servicer.close, *on_stop])
+    log.info("ledger_open", backend="postgresql" if config.postgres else "sqlite",
+             journal_mode=ledger.journal_mode(), schema_version=ledger.schema_version,
+             tenant_check=known_tenants is not None)
     await server.run()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    asyncio.run(serve(parse_args(argv)))
-    return 0
+    return asyncio.run(serve(parse_args(argv)))

@@ -4,23 +4,27 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
-from services.meter.export import csv_chunks
+from services.meter.export import cloudevents_chunks, csv_chunks
 from services.meter.reconcile import reconcile
 from services.meter.store import Ledger
-from services.meter.usage import (DEFAULT_BUCKET_SECONDS, GroupBy, Source, UsageEvent,
-                                  UsageQuery, check_batch_size)
+from services.meter.usage import (DEFAULT_BUCKET_SECONDS, GroupBy, IngestRules, UsageQuery,
+                                  UsageRow)
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
 from tokenserve.runtime.errors import InvalidArgument
+from tokenserve.usage import Source, UsageRecord, from_pb, source_from_pb
 
 EVENTS_RECORDED = Counter("tokenserve_meter_events_recorded_total",
                           "Usage events stored for the first time", ["source"])
 EVENTS_DUPLICATE = Counter("tokenserve_meter_duplicate_events_total",
                            "Usage events received again (same event_id) and not counted",
                            ["source"])
+DRIFT = Gauge("tokenserve_meter_reconcile_drift_records",
+              "Disagreements the last Reconcile found, by kind (missing_engine,"
+              " missing_gateway, mismatch)", ["kind"])
+DRIFT_KINDS = ("missing_engine", "missing_gateway", "mismatch")
 
-_SOURCES = {meter_pb2.SOURCE_GATEWAY: Source.GATEWAY, meter_pb2.SOURCE_ENGINE: Source.ENGINE}
 _GROUPS = {
     meter_pb2.GROUP_BY_TENANT: GroupBy.TENANT, meter_pb2.GROUP_BY_APP: GroupBy.APP,
     meter_pb2.GROUP_BY_MODEL: GroupBy.MODEL, meter_pb2.GROUP_BY_VERSION: GroupBy.VERSION,
@@ -28,18 +32,22 @@ _GROUPS = {
 }
 
 
-def event_from_pb(pb: meter_pb2.UsageEvent, where: str) -> UsageEvent:
-    source = _SOURCES.get(pb.source)
-    if source is None:
-        raise InvalidArgument(
-            f"{where}.source must be SOURCE_GATEWAY or SOURCE_ENGINE, got {pb.source}")
-    return UsageEvent(
-        event_id=pb.event_id, request_id=pb.request_id, source=source, tenant_id=pb.tenant_id,
-        app=pb.app, model=pb.model, model_version=pb.model_version, tier=pb.tier,
-        prompt_tokens=pb.prompt_tokens, completion_tokens=pb.completion_tokens,
-        cached_tokens=pb.cached_tokens, status=pb.status, started_at=pb.started_at,
-        finished_at=pb.finished_at, energy_joules=pb.energy_joules,
-        energy_estimated=pb.energy_estimated, where=where)
+def events_from_pb(pbs) -> list[UsageRecord]:
+    out = []
+    for i, pb in enumerate(pbs):
+        try:
+            out.append(from_pb(pb))
+        except ValueError as e:
+            raise InvalidArgument(f"events[{i}].{e}") from None
+    return out
+
+
+def row_to_pb(r: UsageRow) -> meter_pb2.UsageRow:
+    return meter_pb2.UsageRow(
+        keys=list(r.keys), requests=r.requests, prompt_tokens=r.prompt_tokens,
+        completion_tokens=r.completion_tokens, cached_tokens=r.cached_tokens,
+        energy_joules=r.energy_joules, total_tokens=r.total_tokens,
+        tokens_per_joule=r.tokens_per_joule, energy_estimated=r.energy_estimated)
 
 
 def _bound(value: float) -> float | None:
@@ -56,9 +64,7 @@ def query_from_pb(pb: meter_pb2.QueryUsageRequest) -> UsageQuery:
         groups.append(_GROUPS[g])
     if pb.source == meter_pb2.SOURCE_UNSPECIFIED:
         source = Source.GATEWAY
-    elif pb.source in _SOURCES:
-        source = _SOURCES[pb.source]
-    else:
+    elif (source := source_from_pb(pb.source)) is None:
         raise InvalidArgument(f"source must be SOURCE_GATEWAY or SOURCE_ENGINE, got {pb.source}")
     return UsageQuery(tenant_id=pb.tenant_id, start=_bound(pb.start), end=_bound(pb.end),
                       group_by=tuple(groups),
@@ -67,8 +73,9 @@ def query_from_pb(pb: meter_pb2.QueryUsageRequest) -> UsageQuery:
 
 
 class MeterServicer(meter_pb2_grpc.MeterServiceServicer):
-    def __init__(self, ledger: Ledger):
+    def __init__(self, ledger: Ledger, rules: IngestRules | None = None):
         self._ledger = ledger
+        self._rules = rules or IngestRules()
         # One thread owns the ledger connection: calls are serialised and never block the loop.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
 
@@ -80,8 +87,8 @@ class MeterServicer(meter_pb2_grpc.MeterServiceServicer):
         self._executor.shutdown(wait=True)
 
     async def RecordUsage(self, request, context):
-        check_batch_size(len(request.events))
-        events = [event_from_pb(e, f"events[{i}]") for i, e in enumerate(request.events)]
+        events = events_from_pb(request.events)
+        self._rules.check_batch(events)  # all or nothing: one bad event refuses the batch
         result = await self._run(self._ledger.record, events)
         sent: dict[Source, int] = {}
         for e in events:
@@ -95,24 +102,31 @@ class MeterServicer(meter_pb2_grpc.MeterServiceServicer):
 
     async def QueryUsage(self, request, context):
         rows = await self._run(self._ledger.query, query_from_pb(request))
-        return meter_pb2.QueryUsageResponse(rows=[
-            meter_pb2.UsageRow(keys=list(r.keys), requests=r.requests,
-                               prompt_tokens=r.prompt_tokens,
-                               completion_tokens=r.completion_tokens,
-                               cached_tokens=r.cached_tokens, energy_joules=r.energy_joules)
-            for r in rows])
+        return meter_pb2.QueryUsageResponse(rows=[row_to_pb(r) for r in rows])
 
     async def Reconcile(self, request, context):
         q = UsageQuery(start=_bound(request.start), end=_bound(request.end))
-        result = await self._run(reconcile, self._ledger, q.start, q.end)
+        records = await self._run(self._ledger.requests_finished_in, q)
+        result = reconcile(records)
+        drift = result.drift()
+        for kind in DRIFT_KINDS:
+            DRIFT.labels(kind).set(drift.get(kind, 0))
         return meter_pb2.ReconcileResponse(matched=result.matched, mismatches=[
-            meter_pb2.Mismatch(request_id=m.request_id, kind=m.kind,
+            meter_pb2.Mismatch(request_id=m.request_id, kind=m.kind, field=m.field,
                                gateway_value=m.gateway_value, engine_value=m.engine_value)
             for m in result.mismatches])
 
-    async def ExportCsv(self, request, context):
+    async def _export(self, request, render):
         q = query_from_pb(request)
         # Materialised on the ledger thread; export is an admin operation over a time window.
-        chunks = await self._run(lambda: list(csv_chunks(self._ledger.events(q))))
+        chunks = await self._run(lambda: list(render(self._ledger.events(q))))
         for data in chunks:
-            yield meter_pb2.CsvChunk(data=data)
+            yield meter_pb2.ExportChunk(data=data)
+
+    async def ExportCsv(self, request, context):
+        async for chunk in self._export(request, csv_chunks):
+            yield chunk
+
+    async def ExportCloudEvents(self, request, context):
+        async for chunk in self._export(request, cloudevents_chunks):
+            yield chunk

@@ -9,58 +9,19 @@ A ledger object is not thread-safe: the servicer calls it from one worker thread
 from __future__ import annotations
 
 import sqlite3
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from services.meter.usage import (GroupBy, RecordResult, Source, UsageEvent, UsageQuery,
-                                  UsageRow)
+from services.meter import migrations
+from services.meter.usage import GroupBy, RecordResult, UsageQuery, UsageRow
+from tokenserve.usage import FIELDS, Source, UsageRecord, from_row, to_row
 
-COLUMNS = ("event_id", "request_id", "source", "tenant_id", "app", "model", "model_version",
-           "tier", "prompt_tokens", "completion_tokens", "cached_tokens", "status",
-           "started_at", "finished_at", "energy_joules", "energy_estimated")
-
-_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS usage_events (
-        event_id TEXT PRIMARY KEY,
-        request_id TEXT NOT NULL,
-        source TEXT NOT NULL,
-        tenant_id TEXT NOT NULL,
-        app TEXT NOT NULL,
-        model TEXT NOT NULL,
-        model_version TEXT NOT NULL,
-        tier TEXT NOT NULL,
-        prompt_tokens BIGINT NOT NULL,
-        completion_tokens BIGINT NOT NULL,
-        cached_tokens BIGINT NOT NULL,
-        status TEXT NOT NULL,
-        started_at DOUBLE PRECISION NOT NULL,
-        finished_at DOUBLE PRECISION NOT NULL,
-        energy_joules DOUBLE PRECISION NOT NULL,
-        energy_estimated INTEGER NOT NULL
-    )""",
-    "CREATE INDEX IF NOT EXISTS usage_by_time ON usage_events (source, finished_at)",
-    "CREATE INDEX IF NOT EXISTS usage_by_tenant ON usage_events (tenant_id, finished_at)",
-    "CREATE INDEX IF NOT EXISTS usage_by_request ON usage_events (request_id)",
-)
-
-_INSERT = (f"INSERT INTO usage_events ({', '.join(COLUMNS)}) VALUES "
-           f"({', '.join('?' for _ in COLUMNS)}) ON CONFLICT (event_id) DO NOTHING")
-
-
-def _row_of(e: UsageEvent) -> tuple:
-    return (e.event_id, e.request_id, e.source.value, e.tenant_id, e.app, e.model,
-            e.model_version, e.tier, e.prompt_tokens, e.completion_tokens, e.cached_tokens,
-            e.status, e.started_at, e.finished_at, e.energy_joules, int(e.energy_estimated))
-
-
-def _event_of(row: Sequence) -> UsageEvent:
-    d = dict(zip(COLUMNS, row))
-    d["source"] = Source(d["source"])
-    d["energy_estimated"] = bool(d["energy_estimated"])
-    for k in ("prompt_tokens", "completion_tokens", "cached_tokens"):
-        d[k] = int(d[k])
-    return UsageEvent(**d)
+_INSERT = (f"INSERT INTO usage_events ({', '.join(FIELDS)}) VALUES "
+           f"({', '.join('?' for _ in FIELDS)}) ON CONFLICT (event_id) DO NOTHING")
+# Serialises schema migrations of replicas that start together on one PostgreSQL.
+_MIGRATION_LOCK = 0x75736167
 
 
 class Ledger:
@@ -69,9 +30,40 @@ class Ledger:
     def __init__(self, conn, *, postgres: bool):
         self._conn = conn
         self._postgres = postgres
-        cur = conn.cursor()
-        for stmt in _SCHEMA:
-            cur.execute(stmt)
+        self.schema_version = self._migrate()
+
+    def _migrate(self) -> int:
+        """Applies the pending migrations (all in one transaction); returns the version."""
+        with self._transaction():
+            cur = self._conn.cursor()
+            if self._postgres:
+                cur.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            legacy = self._has_table(cur, "usage_events")
+            cur.execute(migrations.VERSION_TABLE)
+            version = migrations.current_version(cur, legacy_table=legacy)
+            steps = migrations.pending(version)
+            if legacy and version == 1:
+                steps.insert(0, (1, ()))  # the skeleton's table: record it as version 1
+            for number, statements in steps:
+                for stmt in statements:
+                    cur.execute(stmt)
+                cur.execute(self._sql("INSERT INTO schema_version (version, applied_at)"
+                                      " VALUES (?, ?)"), (number, time.time()))
+        return migrations.LATEST
+
+    def _has_table(self, cur, name: str) -> bool:
+        if self._postgres:
+            cur.execute("SELECT to_regclass(%s) IS NOT NULL", (name,))
+        else:
+            cur.execute("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = ?",
+                        (name,))
+        return bool(cur.fetchone()[0])
+
+    def journal_mode(self) -> str:
+        """SQLite's journal mode ("wal"); "postgresql" for a shared ledger."""
+        if self._postgres:
+            return "postgresql"
+        return self._conn.execute("PRAGMA journal_mode").fetchone()[0]
 
     @classmethod
     def open(cls, location: str) -> "Ledger":
@@ -100,18 +92,23 @@ class Ledger:
         cur.execute(self._sql(sql), params)
         return cur
 
-    def record(self, events: Sequence[UsageEvent]) -> RecordResult:
-        """Stores the events not seen before, in one transaction; durable on return."""
+    def record(self, events: Sequence[UsageRecord]) -> RecordResult:
+        """Stores the events not seen before, all in one transaction (a crash leaves none of
+        the batch); durable on return."""
         if not events:
             return RecordResult(0, 0)
         accepted: dict[Source, int] = {}
         sql = self._sql(_INSERT)
+        # Rows in event-id order: replicas inserting overlapping batches lock the same ids in
+        # the same order, so they wait for each other instead of deadlocking.
+        ordered = sorted(events, key=lambda e: e.event_id)
         with self._transaction():
             cur = self._conn.cursor()
-            for e in events:
-                cur.execute(sql, _row_of(e))
-                if cur.rowcount > 0:
-                    accepted[e.source] = accepted.get(e.source, 0) + 1
+            for source in Source:
+                rows = [to_row(e) for e in ordered if e.source is source]
+                if rows:
+                    cur.executemany(sql, rows)
+                    accepted[source] = max(0, cur.rowcount)
         n = sum(accepted.values())
         return RecordResult(accepted=n, duplicates=len(events) - n, accepted_by_source=accepted)
 
@@ -159,7 +156,7 @@ class Ledger:
         where, params = self._where(q, q.source)
         select = ", ".join([*dims, "COUNT(DISTINCT request_id)", "SUM(prompt_tokens)",
                             "SUM(completion_tokens)", "SUM(cached_tokens)",
-                            "SUM(energy_joules)"])
+                            "SUM(energy_joules)", "MAX(energy_estimated)"])
         sql = f"SELECT {select} FROM usage_events{where}"
         if dims:
             order = ", ".join(str(i + 1) for i in range(len(dims)))
@@ -172,23 +169,24 @@ class Ledger:
             rows.append(UsageRow(
                 keys=tuple(str(k) for k in r[:n]), requests=int(r[n]),
                 prompt_tokens=int(r[n + 1] or 0), completion_tokens=int(r[n + 2] or 0),
-                cached_tokens=int(r[n + 3] or 0), energy_joules=float(r[n + 4] or 0.0)))
+                cached_tokens=int(r[n + 3] or 0), energy_joules=float(r[n + 4] or 0.0),
+                energy_estimated=bool(r[n + 5] or 0)))
         return rows
 
-    def events(self, q: UsageQuery, *, all_sources: bool = False) -> Iterator[UsageEvent]:
+    def events(self, q: UsageQuery, *, all_sources: bool = False) -> Iterator[UsageRecord]:
         """Matching events in finish order (ties by event id)."""
         where, params = self._where(q, None if all_sources else q.source)
-        sql = (f"SELECT {', '.join(COLUMNS)} FROM usage_events{where}"
+        sql = (f"SELECT {', '.join(FIELDS)} FROM usage_events{where}"
                " ORDER BY finished_at, event_id")
         cur = self._execute(sql, params)
         while batch := cur.fetchmany(1000):
             for row in batch:
-                yield _event_of(row)
+                yield from_row(row)
 
-    def totals_by_request(self, q: UsageQuery) -> dict[tuple[str, str], tuple[int, int]]:
-        """(request_id, source) -> (prompt_tokens, completion_tokens), summed over events."""
+    def requests_finished_in(self, q: UsageQuery) -> list[UsageRecord]:
+        """Every record (both sources) of each request that has a record finished in the
+        window: the other source's record may fall just outside it."""
         where, params = self._where(q, None)
-        sql = ("SELECT request_id, source, SUM(prompt_tokens), SUM(completion_tokens)"
-               f" FROM usage_events{where} GROUP BY request_id, source")
-        return {(r[0], r[1]): (int(r[2]), int(r[3]))
-                for r in self._execute(sql, params).fetchall()}
+        sql = (f"SELECT {', '.join(FIELDS)} FROM usage_events WHERE request_id IN"
+               f" (SELECT request_id FROM usage_events{where}) ORDER BY request_id, event_id")
+        return [from_row(r) for r in self._execute(sql, params).fetchall()]

@@ -1,25 +1,29 @@
-"""Plain data of the usage ledger: events, queries, rows, reconciliation results.
+"""Plain data of the usage ledger: ingest rules, queries, rows, reconciliation results.
 
-No protobuf here: the servicer converts. Validation happens on construction, so a ledger
-never sees an event it cannot store; messages name the field and the limit.
+The events themselves are `tokenserve.usage.UsageRecord` (one definition for the gateway,
+the engines and the meter). No protobuf here: the servicer converts. A batch is checked
+whole before anything is stored; messages name the event index, the field and the rule.
 """
 from __future__ import annotations
 
 import enum
 import math
+import time
 from dataclasses import dataclass, field
+from typing import Callable, Collection, Sequence
 
 from tokenserve.runtime.errors import InvalidArgument
+from tokenserve.usage import COUNT_FIELDS, TEXT_FIELDS, Source, UsageRecord
 
 MAX_BATCH_EVENTS = 10_000
 MAX_ID_CHARS = 128
 MAX_LABEL_CHARS = 256
 DEFAULT_BUCKET_SECONDS = 3600
-
-
-class Source(str, enum.Enum):
-    GATEWAY = "gateway"
-    ENGINE = "engine"
+# Default accepted finish times: 35 days back (a month of spooled backlog), 5 minutes ahead
+# (clock skew between hosts).
+DEFAULT_MAX_AGE_SECONDS = 35 * 86400
+DEFAULT_MAX_AHEAD_SECONDS = 300
+_ID_FIELDS = ("event_id", "request_id", "tenant_id")
 
 
 class GroupBy(str, enum.Enum):
@@ -31,69 +35,62 @@ class GroupBy(str, enum.Enum):
     TIME = "time"
 
 
-def _check_text(name: str, value: str, limit: int, *, required: bool):
-    if required and not value:
-        raise InvalidArgument(f"{name} must not be empty")
-    if len(value) > limit:
-        raise InvalidArgument(f"{name} is {len(value)} characters; the limit is {limit}")
+@dataclass(frozen=True)
+class IngestRules:
+    """What RecordUsage accepts. `known_tenants` returns the tenant ids configured now (from
+    etcd), or None when the meter runs without a control plane (no tenant check)."""
+
+    max_age_seconds: float = DEFAULT_MAX_AGE_SECONDS
+    max_ahead_seconds: float = DEFAULT_MAX_AHEAD_SECONDS
+    known_tenants: Callable[[], Collection[str] | None] = lambda: None
+    clock: Callable[[], float] = time.time
+
+    def check_batch(self, events: Sequence[UsageRecord]) -> None:
+        """Raises InvalidArgument for the first bad event; the caller stores nothing then."""
+        if len(events) > MAX_BATCH_EVENTS:
+            raise InvalidArgument(f"events holds {len(events)} events; at most"
+                                  f" {MAX_BATCH_EVENTS} per RecordUsage call")
+        now, tenants = self.clock(), self.known_tenants()
+        for i, e in enumerate(events):
+            self.check_event(e, f"events[{i}]", now, tenants)
+
+    def check_event(self, e: UsageRecord, where: str, now: float,
+                    tenants: Collection[str] | None) -> None:
+        for name in TEXT_FIELDS:
+            value = getattr(e, name)
+            limit = MAX_ID_CHARS if name in _ID_FIELDS else MAX_LABEL_CHARS
+            if name in _ID_FIELDS and not value:
+                raise InvalidArgument(f"{where}.{name} must not be empty")
+            if len(value) > limit:
+                raise InvalidArgument(
+                    f"{where}.{name} is {len(value)} characters; the limit is {limit}")
+            if "\x00" in value:
+                raise InvalidArgument(f"{where}.{name} contains a NUL byte")
+        if tenants is not None and e.tenant_id not in tenants:
+            raise InvalidArgument(f"{where}.tenant_id {e.tenant_id!r} is not a configured tenant")
+        for name in COUNT_FIELDS:
+            if getattr(e, name) < 0:
+                raise InvalidArgument(f"{where}.{name} must be >= 0, got {getattr(e, name)}")
+        if e.cached_tokens > e.prompt_tokens:
+            raise InvalidArgument(f"{where}.cached_tokens ({e.cached_tokens}) must be <="
+                                  f" prompt_tokens ({e.prompt_tokens})")
+        for name in ("started_at", "finished_at"):
+            check_time(f"{where}.{name}", getattr(e, name))
+        oldest, newest = now - self.max_age_seconds, now + self.max_ahead_seconds
+        if not oldest <= e.finished_at <= newest:
+            raise InvalidArgument(
+                f"{where}.finished_at {e.finished_at:.3f} is outside the accepted window"
+                f" [{oldest:.0f}, {newest:.0f}] ({self.max_age_seconds:.0f} s back,"
+                f" {self.max_ahead_seconds:.0f} s ahead of the meter's clock)")
+        if e.finished_at < e.started_at:
+            raise InvalidArgument(f"{where}.finished_at must be >= started_at")
+        if not math.isfinite(e.energy_joules) or e.energy_joules < 0:
+            raise InvalidArgument(f"{where}.energy_joules must be finite and >= 0")
 
 
-def _check_time(name: str, value: float):
+def check_time(name: str, value: float):
     if not math.isfinite(value) or value < 0:
         raise InvalidArgument(f"{name} must be a finite number of Unix seconds >= 0, got {value}")
-
-
-@dataclass(frozen=True)
-class UsageEvent:
-    """What one request used, as one source saw it. `where` prefixes error messages
-    (e.g. "events[3]") so a caller knows which event of a batch was refused."""
-
-    event_id: str
-    request_id: str
-    source: Source
-    tenant_id: str
-    app: str = ""
-    model: str = ""
-    model_version: str = ""
-    tier: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    status: str = "OK"
-    started_at: float = 0.0
-    finished_at: float = 0.0
-    energy_joules: float = 0.0
-    energy_estimated: bool = False
-    where: str = field(default="event", compare=False, repr=False)
-
-    def __post_init__(self):
-        w = self.where
-        _check_text(f"{w}.event_id", self.event_id, MAX_ID_CHARS, required=True)
-        _check_text(f"{w}.request_id", self.request_id, MAX_ID_CHARS, required=True)
-        _check_text(f"{w}.tenant_id", self.tenant_id, MAX_ID_CHARS, required=True)
-        for name in ("app", "model", "model_version", "tier", "status"):
-            _check_text(f"{w}.{name}", getattr(self, name), MAX_LABEL_CHARS, required=False)
-        if not isinstance(self.source, Source):
-            raise InvalidArgument(f"{w}.source must be SOURCE_GATEWAY or SOURCE_ENGINE")
-        for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
-            if getattr(self, name) < 0:
-                raise InvalidArgument(f"{w}.{name} must be >= 0, got {getattr(self, name)}")
-        if self.cached_tokens > self.prompt_tokens:
-            raise InvalidArgument(
-                f"{w}.cached_tokens ({self.cached_tokens}) must be <= prompt_tokens"
-                f" ({self.prompt_tokens})")
-        _check_time(f"{w}.started_at", self.started_at)
-        _check_time(f"{w}.finished_at", self.finished_at)
-        if self.finished_at < self.started_at:
-            raise InvalidArgument(f"{w}.finished_at must be >= started_at")
-        if not math.isfinite(self.energy_joules) or self.energy_joules < 0:
-            raise InvalidArgument(f"{w}.energy_joules must be finite and >= 0")
-
-
-def check_batch_size(n: int):
-    if n > MAX_BATCH_EVENTS:
-        raise InvalidArgument(
-            f"events holds {n} events; at most {MAX_BATCH_EVENTS} per RecordUsage call")
 
 
 @dataclass(frozen=True)
@@ -119,7 +116,7 @@ class UsageQuery:
         for name in ("start", "end"):
             v = getattr(self, name)
             if v is not None:
-                _check_time(name, v)
+                check_time(name, v)
         if self.start is not None and self.end is not None and self.end <= self.start:
             raise InvalidArgument(f"end ({self.end}) must be after start ({self.start})")
         if len(set(self.group_by)) != len(self.group_by):
@@ -136,18 +133,38 @@ class UsageRow:
     completion_tokens: int
     cached_tokens: int
     energy_joules: float
+    # Some of energy_joules is estimated (a watts figure, not a counter).
+    energy_estimated: bool = False
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def tokens_per_joule(self) -> float:
+        """Tokens per watt-second; 0 when no energy was recorded."""
+        return self.total_tokens / self.energy_joules if self.energy_joules > 0 else 0.0
 
 
 @dataclass(frozen=True)
 class Mismatch:
     request_id: str
-    # "missing_engine", "missing_gateway", "prompt_tokens", "completion_tokens"
+    # "missing_engine", "missing_gateway" or "mismatch" (then `field` names what differs).
     kind: str
-    gateway_value: int = 0
-    engine_value: int = 0
+    field: str = ""
+    gateway_value: str = ""
+    engine_value: str = ""
 
 
 @dataclass(frozen=True)
 class Reconciliation:
     matched: int
     mismatches: tuple[Mismatch, ...]
+
+    def drift(self) -> dict[str, int]:
+        """kind -> requests of that kind (a request with two differing fields counts once
+        per field)."""
+        out: dict[str, int] = {}
+        for m in self.mismatches:
+            out[m.kind] = out.get(m.kind, 0) + 1
+        return out

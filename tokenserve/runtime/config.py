@@ -1,6 +1,10 @@
 """Checks shared by every service's frozen config dataclass."""
 from __future__ import annotations
 
+import re
+
+_ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
+
 
 def check_ports(port: int, metrics_port: int | None) -> None:
     """A gRPC port and an optional metrics port (None: no /metrics), each 0..65535 (0: any)."""
@@ -8,6 +12,13 @@ def check_ports(port: int, metrics_port: int | None) -> None:
         raise ValueError(f"port must be in 0..65535, got {port}")
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
         raise ValueError(f"metrics_port must be in 0..65535, got {metrics_port}")
+
+
+def check_endpoint(what: str, value: str) -> None:
+    """host:port (an IPv6 host in brackets) with a port in 1..65535."""
+    m = _ENDPOINT_RE.match(value)
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        raise ValueError(f"{what} must be host:port with a port in 1-65535, got {value!r}")
 
 
 def _metrics_port(value: str) -> int | None:

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from services.meter.export import csv_chunks
 from services.meter.store import Ledger
-from services.meter.usage import GroupBy, Source, UsageQuery
+from tokenserve.usage import FIELDS
+from services.meter.usage import GroupBy, UsageQuery
 from tests.unit.meter.conftest import event
+from tokenserve.usage import Source
 
 
 def test_duplicates_are_stored_once_within_and_across_batches(ledger):
@@ -75,5 +77,28 @@ def test_csv_export_has_a_header_and_one_line_per_event(ledger):
     text = "".join(csv_chunks(ledger.events(UsageQuery())))
     lines = text.splitlines()
     assert lines[0].startswith("event_id,request_id,source,tenant_id")
+    assert lines[0].count(",") + 1 == len(FIELDS)
     assert len(lines) == 1201
     assert lines[1].split(",")[:3] == ["e0000", "r-e0000", "gateway"]
+
+
+def test_rows_carry_totals_tokens_per_joule_and_the_estimated_flag(ledger):
+    ledger.record([
+        event("1", model_version="v1", tier="free", prompt_tokens=10, completion_tokens=10,
+              energy_joules=4.0),
+        event("2", model_version="v1", tier="premium", prompt_tokens=2, completion_tokens=3,
+              energy_joules=1.0, energy_estimated=True),
+        event("3", model_version="v2", tier="free", prompt_tokens=1, completion_tokens=1),
+    ])
+    rows = ledger.query(UsageQuery(group_by=(GroupBy.VERSION, GroupBy.TIER)))
+    got = {r.keys: (r.requests, r.total_tokens, r.energy_joules, r.tokens_per_joule,
+                    r.energy_estimated) for r in rows}
+    assert got == {("v1", "free"): (1, 20, 4.0, 5.0, False),
+                   ("v1", "premium"): (1, 5, 1.0, 5.0, True),
+                   ("v2", "free"): (1, 2, 0.0, 0.0, False)}
+
+
+def test_sqlite_ledger_runs_in_wal_mode(tmp_path):
+    led = Ledger.open(str(tmp_path / "meter.db"))
+    assert led.journal_mode() == "wal"
+    led.close()

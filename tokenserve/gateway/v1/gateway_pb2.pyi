@@ -1,4 +1,5 @@
 from tokenserve.common.v1 import common_pb2 as _common_pb2
+from tokenserve.meter.v1 import meter_pb2 as _meter_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -134,3 +135,23 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[Model]
     def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+
+class GetUsageRequest(_message.Message):
+    __slots__ = ("tenant_id", "start", "end", "group_by", "bucket_seconds")
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BY_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tenant_id: str
+    start: float
+    end: float
+    group_by: _containers.RepeatedScalarFieldContainer[_meter_pb2.GroupBy]
+    bucket_seconds: int
+    def __init__(self, tenant_id: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., group_by: _Optional[_Iterable[_Union[_meter_pb2.GroupBy, str]]] = ..., bucket_seconds: _Optional[int] = ...) -> None: ...
+
+class GetUsageResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[_meter_pb2.UsageRow]
+    def __init__(self, rows: _Optional[_Iterable[_Union[_meter_pb2.UsageRow, _Mapping]]] = ...) -> None: ...

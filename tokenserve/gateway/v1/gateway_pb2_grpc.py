@@ -62,6 +62,11 @@ class InferenceServiceStub:
                 request_serializer=tokenserve_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=tokenserve_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.GetUsage = channel.unary_unary(
+                '/tokenserve.gateway.v1.InferenceService/GetUsage',
+                request_serializer=tokenserve_dot_gateway_dot_v1_dot_gateway__pb2.GetUsageRequest.SerializeToString,
+                response_deserializer=tokenserve_dot_gateway_dot_v1_dot_gateway__pb2.GetUsageResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -103,6 +108,13 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetUsage(self, request, context):
+        """The usage of this key's tenant, as billed (the gateway's records), summed by group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +137,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=tokenserve_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsRequest.FromString,
                     response_serializer=tokenserve_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'GetUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUsage,
+                    request_deserializer=tokenserve_dot_gateway_dot_v1_dot_gateway__pb2.GetUsageRequest.FromString,
+                    response_serializer=tokenserve_dot_gateway_dot_v1_dot_gateway__pb2.GetUsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -243,6 +260,33 @@ class InferenceService:
             '/tokenserve.gateway.v1.InferenceService/ListModels',
             tokenserve_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
             tokenserve_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenserve.gateway.v1.InferenceService/GetUsage',
+            tokenserve_dot_gateway_dot_v1_dot_gateway__pb2.GetUsageRequest.SerializeToString,
+            tokenserve_dot_gateway_dot_v1_dot_gateway__pb2.GetUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,

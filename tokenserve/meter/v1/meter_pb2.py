@@ -24,37 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftokenserve/meter/v1/meter.proto\x12\x13tokenserve.meter.v1\"\xe6\x02\n\nUsageEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12+\n\x06source\x18\x03 \x01(\x0e\x32\x1b.tokenserve.meter.v1.Source\x12\x11\n\ttenant_id\x18\x04 \x01(\t\x12\x0b\n\x03\x61pp\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\x12\x0c\n\x04tier\x18\x08 \x01(\t\x12\x15\n\rprompt_tokens\x18\t \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\x05\x12\x15\n\rcached_tokens\x18\x0b \x01(\x05\x12\x0e\n\x06status\x18\x0c \x01(\t\x12\x12\n\nstarted_at\x18\r \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x0e \x01(\x01\x12\x15\n\renergy_joules\x18\x0f \x01(\x01\x12\x18\n\x10\x65nergy_estimated\x18\x10 \x01(\x08\"E\n\x12RecordUsageRequest\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.tokenserve.meter.v1.UsageEvent\";\n\x13RecordUsageResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x12\n\nduplicates\x18\x02 \x01(\x05\"\xb7\x01\n\x11QueryUsageRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x01\x12.\n\x08group_by\x18\x04 \x03(\x0e\x32\x1c.tokenserve.meter.v1.GroupBy\x12\x16\n\x0e\x62ucket_seconds\x18\x05 \x01(\x05\x12+\n\x06source\x18\x06 \x01(\x0e\x32\x1b.tokenserve.meter.v1.Source\"\x8a\x01\n\x08UsageRow\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x10\n\x08requests\x18\x02 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x03\x12\x15\n\rcached_tokens\x18\x05 \x01(\x03\x12\x15\n\renergy_joules\x18\x06 \x01(\x01\"A\n\x12QueryUsageResponse\x12+\n\x04rows\x18\x01 \x03(\x0b\x32\x1d.tokenserve.meter.v1.UsageRow\".\n\x10ReconcileRequest\x12\r\n\x05start\x18\x01 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x01\"Y\n\x08Mismatch\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x15\n\rgateway_value\x18\x03 \x01(\x05\x12\x14\n\x0c\x65ngine_value\x18\x04 \x01(\x05\"W\n\x11ReconcileResponse\x12\x0f\n\x07matched\x18\x01 \x01(\x03\x12\x31\n\nmismatches\x18\x02 \x03(\x0b\x32\x1d.tokenserve.meter.v1.Mismatch\"\x18\n\x08\x43svChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\t*G\n\x06Source\x12\x16\n\x12SOURCE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSOURCE_GATEWAY\x10\x01\x12\x11\n\rSOURCE_ENGINE\x10\x02*\x9a\x01\n\x07GroupBy\x12\x18\n\x14GROUP_BY_UNSPECIFIED\x10\x00\x12\x13\n\x0fGROUP_BY_TENANT\x10\x01\x12\x10\n\x0cGROUP_BY_APP\x10\x02\x12\x12\n\x0eGROUP_BY_MODEL\x10\x03\x12\x14\n\x10GROUP_BY_VERSION\x10\x04\x12\x11\n\rGROUP_BY_TIER\x10\x05\x12\x11\n\rGROUP_BY_TIME\x10\x06\x32\x81\x03\n\x0cMeterService\x12`\n\x0bRecordUsage\x12\'.tokenserve.meter.v1.RecordUsageRequest\x1a(.tokenserve.meter.v1.RecordUsageResponse\x12]\n\nQueryUsage\x12&.tokenserve.meter.v1.QueryUsageRequest\x1a\'.tokenserve.meter.v1.QueryUsageResponse\x12Z\n\tReconcile\x12%.tokenserve.meter.v1.ReconcileRequest\x1a&.tokenserve.meter.v1.ReconcileResponse\x12T\n\tExportCsv\x12&.tokenserve.meter.v1.QueryUsageRequest\x1a\x1d.tokenserve.meter.v1.CsvChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftokenserve/meter/v1/meter.proto\x12\x13tokenserve.meter.v1\"\xa3\x03\n\nUsageEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12+\n\x06source\x18\x03 \x01(\x0e\x32\x1b.tokenserve.meter.v1.Source\x12\x11\n\ttenant_id\x18\x04 \x01(\t\x12\x0b\n\x03\x61pp\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\x12\x0c\n\x04tier\x18\x08 \x01(\t\x12\x15\n\rprompt_tokens\x18\t \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\x05\x12\x15\n\rcached_tokens\x18\x0b \x01(\x05\x12\x0e\n\x06status\x18\x0c \x01(\t\x12\x15\n\rfinish_reason\x18\x11 \x01(\t\x12\x11\n\tpreempted\x18\x12 \x01(\x08\x12\x11\n\tcancelled\x18\x13 \x01(\x08\x12\x12\n\nstarted_at\x18\r \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x0e \x01(\x01\x12\x15\n\renergy_joules\x18\x0f \x01(\x01\x12\x18\n\x10\x65nergy_estimated\x18\x10 \x01(\x08\"E\n\x12RecordUsageRequest\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.tokenserve.meter.v1.UsageEvent\";\n\x13RecordUsageResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x12\n\nduplicates\x18\x02 \x01(\x05\"\xb7\x01\n\x11QueryUsageRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x01\x12.\n\x08group_by\x18\x04 \x03(\x0e\x32\x1c.tokenserve.meter.v1.GroupBy\x12\x16\n\x0e\x62ucket_seconds\x18\x05 \x01(\x05\x12+\n\x06source\x18\x06 \x01(\x0e\x32\x1b.tokenserve.meter.v1.Source\"\xd4\x01\n\x08UsageRow\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x10\n\x08requests\x18\x02 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x03\x12\x15\n\rcached_tokens\x18\x05 \x01(\x03\x12\x15\n\renergy_joules\x18\x06 \x01(\x01\x12\x14\n\x0ctotal_tokens\x18\x07 \x01(\x03\x12\x18\n\x10tokens_per_joule\x18\x08 \x01(\x01\x12\x18\n\x10\x65nergy_estimated\x18\t \x01(\x08\"A\n\x12QueryUsageResponse\x12+\n\x04rows\x18\x01 \x03(\x0b\x32\x1d.tokenserve.meter.v1.UsageRow\".\n\x10ReconcileRequest\x12\r\n\x05start\x18\x01 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x01\"t\n\x08Mismatch\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x05 \x01(\t\x12\x15\n\rgateway_value\x18\x06 \x01(\t\x12\x14\n\x0c\x65ngine_value\x18\x07 \x01(\tJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"W\n\x11ReconcileResponse\x12\x0f\n\x07matched\x18\x01 \x01(\x03\x12\x31\n\nmismatches\x18\x02 \x03(\x0b\x32\x1d.tokenserve.meter.v1.Mismatch\"\x1b\n\x0b\x45xportChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\t*G\n\x06Source\x12\x16\n\x12SOURCE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSOURCE_GATEWAY\x10\x01\x12\x11\n\rSOURCE_ENGINE\x10\x02*\x9a\x01\n\x07GroupBy\x12\x18\n\x14GROUP_BY_UNSPECIFIED\x10\x00\x12\x13\n\x0fGROUP_BY_TENANT\x10\x01\x12\x10\n\x0cGROUP_BY_APP\x10\x02\x12\x12\n\x0eGROUP_BY_MODEL\x10\x03\x12\x14\n\x10GROUP_BY_VERSION\x10\x04\x12\x11\n\rGROUP_BY_TIER\x10\x05\x12\x11\n\rGROUP_BY_TIME\x10\x06\x32\xe5\x03\n\x0cMeterService\x12`\n\x0bRecordUsage\x12\'.tokenserve.meter.v1.RecordUsageRequest\x1a(.tokenserve.meter.v1.RecordUsageResponse\x12]\n\nQueryUsage\x12&.tokenserve.meter.v1.QueryUsageRequest\x1a\'.tokenserve.meter.v1.QueryUsageResponse\x12Z\n\tReconcile\x12%.tokenserve.meter.v1.ReconcileRequest\x1a&.tokenserve.meter.v1.ReconcileResponse\x12W\n\tExportCsv\x12&.tokenserve.meter.v1.QueryUsageRequest\x1a .tokenserve.meter.v1.ExportChunk0\x01\x12_\n\x11\x45xportCloudEvents\x12&.tokenserve.meter.v1.QueryUsageRequest\x1a .tokenserve.meter.v1.ExportChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenserve.meter.v1.meter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SOURCE']._serialized_start=1197
-  _globals['_SOURCE']._serialized_end=1268
-  _globals['_GROUPBY']._serialized_start=1271
-  _globals['_GROUPBY']._serialized_end=1425
+  _globals['_SOURCE']._serialized_start=1362
+  _globals['_SOURCE']._serialized_end=1433
+  _globals['_GROUPBY']._serialized_start=1436
+  _globals['_GROUPBY']._serialized_end=1590
   _globals['_USAGEEVENT']._serialized_start=57
-  _globals['_USAGEEVENT']._serialized_end=415
-  _globals['_RECORDUSAGEREQUEST']._serialized_start=417
-  _globals['_RECORDUSAGEREQUEST']._serialized_end=486
-  _globals['_RECORDUSAGERESPONSE']._serialized_start=488
-  _globals['_RECORDUSAGERESPONSE']._serialized_end=547
-  _globals['_QUERYUSAGEREQUEST']._serialized_start=550
-  _globals['_QUERYUSAGEREQUEST']._serialized_end=733
-  _globals['_USAGEROW']._serialized_start=736
-  _globals['_USAGEROW']._serialized_end=874
-  _globals['_QUERYUSAGERESPONSE']._serialized_start=876
-  _globals['_QUERYUSAGERESPONSE']._serialized_end=941
-  _globals['_RECONCILEREQUEST']._serialized_start=943
-  _globals['_RECONCILEREQUEST']._serialized_end=989
-  _globals['_MISMATCH']._serialized_start=991
-  _globals['_MISMATCH']._serialized_end=1080
-  _globals['_RECONCILERESPONSE']._serialized_start=1082
-  _globals['_RECONCILERESPONSE']._serialized_end=1169
-  _globals['_CSVCHUNK']._serialized_start=1171
-  _globals['_CSVCHUNK']._serialized_end=1195
-  _globals['_METERSERVICE']._serialized_start=1428
-  _globals['_METERSERVICE']._serialized_end=1813
+  _globals['_USAGEEVENT']._serialized_end=476
+  _globals['_RECORDUSAGEREQUEST']._serialized_start=478
+  _globals['_RECORDUSAGEREQUEST']._serialized_end=547
+  _globals['_RECORDUSAGERESPONSE']._serialized_start=549
+  _globals['_RECORDUSAGERESPONSE']._serialized_end=608
+  _globals['_QUERYUSAGEREQUEST']._serialized_start=611
+  _globals['_QUERYUSAGEREQUEST']._serialized_end=794
+  _globals['_USAGEROW']._serialized_start=797
+  _globals['_USAGEROW']._serialized_end=1009
+  _globals['_QUERYUSAGERESPONSE']._serialized_start=1011
+  _globals['_QUERYUSAGERESPONSE']._serialized_end=1076
+  _globals['_RECONCILEREQUEST']._serialized_start=1078
+  _globals['_RECONCILEREQUEST']._serialized_end=1124
+  _globals['_MISMATCH']._serialized_start=1126
+  _globals['_MISMATCH']._serialized_end=1242
+  _globals['_RECONCILERESPONSE']._serialized_start=1244
+  _globals['_RECONCILERESPONSE']._serialized_end=1331
+  _globals['_EXPORTCHUNK']._serialized_start=1333
+  _globals['_EXPORTCHUNK']._serialized_end=1360
+  _globals['_METERSERVICE']._serialized_start=1593
+  _globals['_METERSERVICE']._serialized_end=2078
 # @@protoc_insertion_point(module_scope)

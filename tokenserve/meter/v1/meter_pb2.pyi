@@ -34,7 +34,7 @@ GROUP_BY_TIER: GroupBy
 GROUP_BY_TIME: GroupBy
 
 class UsageEvent(_message.Message):
-    __slots__ = ("event_id", "request_id", "source", "tenant_id", "app", "model", "model_version", "tier", "prompt_tokens", "completion_tokens", "cached_tokens", "status", "started_at", "finished_at", "energy_joules", "energy_estimated")
+    __slots__ = ("event_id", "request_id", "source", "tenant_id", "app", "model", "model_version", "tier", "prompt_tokens", "completion_tokens", "cached_tokens", "status", "finish_reason", "preempted", "cancelled", "started_at", "finished_at", "energy_joules", "energy_estimated")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,9 @@ class UsageEvent(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     ENERGY_JOULES_FIELD_NUMBER: _ClassVar[int]
@@ -63,11 +66,14 @@ class UsageEvent(_message.Message):
     completion_tokens: int
     cached_tokens: int
     status: str
+    finish_reason: str
+    preempted: bool
+    cancelled: bool
     started_at: float
     finished_at: float
     energy_joules: float
     energy_estimated: bool
-    def __init__(self, event_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source: _Optional[_Union[Source, str]] = ..., tenant_id: _Optional[str] = ..., app: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., status: _Optional[str] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., energy_joules: _Optional[float] = ..., energy_estimated: _Optional[bool] = ...) -> None: ...
+    def __init__(self, event_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source: _Optional[_Union[Source, str]] = ..., tenant_id: _Optional[str] = ..., app: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., status: _Optional[str] = ..., finish_reason: _Optional[str] = ..., preempted: _Optional[bool] = ..., cancelled: _Optional[bool] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., energy_joules: _Optional[float] = ..., energy_estimated: _Optional[bool] = ...) -> None: ...
 
 class RecordUsageRequest(_message.Message):
     __slots__ = ("events",)
@@ -100,20 +106,26 @@ class QueryUsageRequest(_message.Message):
     def __init__(self, tenant_id: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., group_by: _Optional[_Iterable[_Union[GroupBy, str]]] = ..., bucket_seconds: _Optional[int] = ..., source: _Optional[_Union[Source, str]] = ...) -> None: ...
 
 class UsageRow(_message.Message):
-    __slots__ = ("keys", "requests", "prompt_tokens", "completion_tokens", "cached_tokens", "energy_joules")
+    __slots__ = ("keys", "requests", "prompt_tokens", "completion_tokens", "cached_tokens", "energy_joules", "total_tokens", "tokens_per_joule", "energy_estimated")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENERGY_JOULES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_JOULE_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_ESTIMATED_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     requests: int
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     energy_joules: float
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., energy_joules: _Optional[float] = ...) -> None: ...
+    total_tokens: int
+    tokens_per_joule: float
+    energy_estimated: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., energy_joules: _Optional[float] = ..., total_tokens: _Optional[int] = ..., tokens_per_joule: _Optional[float] = ..., energy_estimated: _Optional[bool] = ...) -> None: ...
 
 class QueryUsageResponse(_message.Message):
     __slots__ = ("rows",)
@@ -130,16 +142,18 @@ class ReconcileRequest(_message.Message):
     def __init__(self, start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
 
 class Mismatch(_message.Message):
-    __slots__ = ("request_id", "kind", "gateway_value", "engine_value")
+    __slots__ = ("request_id", "kind", "field", "gateway_value", "engine_value")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_VALUE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_VALUE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: str
-    gateway_value: int
-    engine_value: int
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., gateway_value: _Optional[int] = ..., engine_value: _Optional[int] = ...) -> None: ...
+    field: str
+    gateway_value: str
+    engine_value: str
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., field: _Optional[str] = ..., gateway_value: _Optional[str] = ..., engine_value: _Optional[str] = ...) -> None: ...
 
 class ReconcileResponse(_message.Message):
     __slots__ = ("matched", "mismatches")
@@ -149,7 +163,7 @@ class ReconcileResponse(_message.Message):
     mismatches: _containers.RepeatedCompositeFieldContainer[Mismatch]
     def __init__(self, matched: _Optional[int] = ..., mismatches: _Optional[_Iterable[_Union[Mismatch, _Mapping]]] = ...) -> None: ...
 
-class CsvChunk(_message.Message):
+class ExportChunk(_message.Message):
     __slots__ = ("data",)
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: str

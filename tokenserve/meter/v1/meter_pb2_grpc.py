@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class MeterServiceStub:
     """The usage ledger: records what every request used, answers queries, reconciles the
-    gateway's records against the engines', exports CSV.
+    gateway's records against the engines', exports CSV and CloudEvents.
     """
 
     def __init__(self, channel):
@@ -54,18 +54,24 @@ class MeterServiceStub:
         self.ExportCsv = channel.unary_stream(
                 '/tokenserve.meter.v1.MeterService/ExportCsv',
                 request_serializer=tokenserve_dot_meter_dot_v1_dot_meter__pb2.QueryUsageRequest.SerializeToString,
-                response_deserializer=tokenserve_dot_meter_dot_v1_dot_meter__pb2.CsvChunk.FromString,
+                response_deserializer=tokenserve_dot_meter_dot_v1_dot_meter__pb2.ExportChunk.FromString,
+                _registered_method=True)
+        self.ExportCloudEvents = channel.unary_stream(
+                '/tokenserve.meter.v1.MeterService/ExportCloudEvents',
+                request_serializer=tokenserve_dot_meter_dot_v1_dot_meter__pb2.QueryUsageRequest.SerializeToString,
+                response_deserializer=tokenserve_dot_meter_dot_v1_dot_meter__pb2.ExportChunk.FromString,
                 _registered_method=True)
 
 
 class MeterServiceServicer:
     """The usage ledger: records what every request used, answers queries, reconciles the
-    gateway's records against the engines', exports CSV.
+    gateway's records against the engines', exports CSV and CloudEvents.
     """
 
     def RecordUsage(self, request, context):
         """Records a batch of usage events. Idempotent by event_id: an event seen before is
         counted as a duplicate and stored once. Returns only after the batch is durable.
+        All or nothing: one bad event (INVALID_ARGUMENT naming events[i].field) refuses the batch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +99,14 @@ class MeterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportCloudEvents(self, request, context):
+        """Streams the same events as CloudEvents 1.0 JSON lines (specversion, type, id, source,
+        subject, time, data), the format OpenMeter and other billing pipelines ingest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MeterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,7 +128,12 @@ def add_MeterServiceServicer_to_server(servicer, server):
             'ExportCsv': grpc.unary_stream_rpc_method_handler(
                     servicer.ExportCsv,
                     request_deserializer=tokenserve_dot_meter_dot_v1_dot_meter__pb2.QueryUsageRequest.FromString,
-                    response_serializer=tokenserve_dot_meter_dot_v1_dot_meter__pb2.CsvChunk.SerializeToString,
+                    response_serializer=tokenserve_dot_meter_dot_v1_dot_meter__pb2.ExportChunk.SerializeToString,
+            ),
+            'ExportCloudEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportCloudEvents,
+                    request_deserializer=tokenserve_dot_meter_dot_v1_dot_meter__pb2.QueryUsageRequest.FromString,
+                    response_serializer=tokenserve_dot_meter_dot_v1_dot_meter__pb2.ExportChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -126,7 +145,7 @@ def add_MeterServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class MeterService:
     """The usage ledger: records what every request used, answers queries, reconciles the
-    gateway's records against the engines', exports CSV.
+    gateway's records against the engines', exports CSV and CloudEvents.
     """
 
     @staticmethod
@@ -226,7 +245,34 @@ class MeterService:
             target,
             '/tokenserve.meter.v1.MeterService/ExportCsv',
             tokenserve_dot_meter_dot_v1_dot_meter__pb2.QueryUsageRequest.SerializeToString,
-            tokenserve_dot_meter_dot_v1_dot_meter__pb2.CsvChunk.FromString,
+            tokenserve_dot_meter_dot_v1_dot_meter__pb2.ExportChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportCloudEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokenserve.meter.v1.MeterService/ExportCloudEvents',
+            tokenserve_dot_meter_dot_v1_dot_meter__pb2.QueryUsageRequest.SerializeToString,
+            tokenserve_dot_meter_dot_v1_dot_meter__pb2.ExportChunk.FromString,
             options,
             channel_credentials,
             insecure,

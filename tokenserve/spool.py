@@ -1,46 +1,30 @@
-"""Usage events on local disk until the meter has them (at-least-once; the meter dedupes).
+"""Usage records on local disk until the meter has them (at-least-once; the meter dedupes).
 
-`UsageSpool.append` commits to a SQLite file (WAL, synchronous=FULL) before the gateway
+The gateway and every engine each keep one spool and one sender (this module, shared).
+`UsageSpool.append` commits to a SQLite file (WAL, synchronous=FULL) before the service
 sends the last message of a request, so a crash after that loses nothing. `SpoolSender`
 ships the oldest events in batches and deletes them only after the meter acknowledged them;
-while the meter is down it retries with exponential backoff.
+while the meter is down it retries with exponential backoff. A record the meter refuses for
+good (INVALID_ARGUMENT naming `events[i]`: say its tenant was deleted) moves to the spool's
+`refused` table, kept for an operator, so one bad record never blocks the others.
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import re
 import sqlite3
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
+import grpc
 import structlog
+
+from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
+from tokenserve.usage import UsageRecord, from_json, to_json, to_pb
 
 
 # Lazy: resolved at first use, after configure_logging (JSON lines).
 log = structlog.get_logger(component="spool")
-
-
-@dataclass(frozen=True)
-class UsageRecord:
-    """What one request used, as the gateway saw it. Never holds prompt or completion text."""
-
-    event_id: str
-    request_id: str
-    tenant_id: str
-    app: str
-    model: str
-    model_version: str
-    tier: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    # gRPC status code name the request ended with: "OK", "CANCELLED", ...
-    status: str
-    started_at: float
-    finished_at: float
-    energy_joules: float = 0.0
-    energy_estimated: bool = False
 
 
 class UsageSpool:
@@ -53,19 +37,34 @@ class UsageSpool:
         self._conn.execute("PRAGMA busy_timeout=5000")
         self._conn.execute("CREATE TABLE IF NOT EXISTS spool (seq INTEGER PRIMARY KEY"
                            " AUTOINCREMENT, event_id TEXT UNIQUE NOT NULL, record TEXT NOT NULL)")
+        self._conn.execute("CREATE TABLE IF NOT EXISTS refused (event_id TEXT PRIMARY KEY,"
+                           " record TEXT NOT NULL, reason TEXT NOT NULL)")
 
     def append(self, record: UsageRecord) -> None:
         """Durable on return. The same event id twice is stored once."""
         self._conn.execute("INSERT OR IGNORE INTO spool (event_id, record) VALUES (?, ?)",
-                           (record.event_id, json.dumps(asdict(record))))
+                           (record.event_id, to_json(record)))
 
     def oldest(self, limit: int) -> list[tuple[int, UsageRecord]]:
         rows = self._conn.execute("SELECT seq, record FROM spool ORDER BY seq LIMIT ?",
                                   (limit,)).fetchall()
-        return [(seq, UsageRecord(**json.loads(text))) for seq, text in rows]
+        return [(seq, from_json(text)) for seq, text in rows]
 
     def delete(self, seqs: Sequence[int]) -> None:
         self._conn.executemany("DELETE FROM spool WHERE seq = ?", [(s,) for s in seqs])
+
+    def refuse(self, seq: int, reason: str) -> None:
+        """Moves one record out of the send queue into `refused` (one transaction)."""
+        with self._conn:
+            self._conn.execute("BEGIN")
+            self._conn.execute("INSERT OR REPLACE INTO refused (event_id, record, reason)"
+                               " SELECT event_id, record, ? FROM spool WHERE seq = ?",
+                               (reason, seq))
+            self._conn.execute("DELETE FROM spool WHERE seq = ?", (seq,))
+
+    def refused(self) -> list[tuple[UsageRecord, str]]:
+        return [(from_json(text), reason) for text, reason in
+                self._conn.execute("SELECT record, reason FROM refused").fetchall()]
 
     def __len__(self) -> int:
         return self._conn.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
@@ -76,6 +75,32 @@ class UsageSpool:
 
 # Sends a batch; returns once the meter has stored it (raises when it has not).
 SendFn = Callable[[list[UsageRecord]], Awaitable[None]]
+
+
+class Refused(Exception):
+    """The meter refused the batch for good because of one record (`index` in the batch)."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(reason)
+        self.index, self.reason = index, reason
+
+
+_REFUSED_EVENT = re.compile(r"^events\[(\d+)\]")
+
+
+async def send_usage(stub: meter_pb2_grpc.MeterServiceStub, records: list[UsageRecord],
+                     timeout: float) -> None:
+    """One RecordUsage call for `records` (a SendFn body: raises when the meter has not
+    stored them; Refused when it names the record it will never take)."""
+    try:
+        await stub.RecordUsage(
+            meter_pb2.RecordUsageRequest(events=[to_pb(r) for r in records]), timeout=timeout)
+    except grpc.RpcError as e:
+        details = (e.details() or "") if hasattr(e, "details") else ""
+        m = _REFUSED_EVENT.match(details)
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT and m and int(m.group(1)) < len(records):
+            raise Refused(int(m.group(1)), details) from None
+        raise
 
 
 class SpoolSender:
@@ -104,7 +129,14 @@ class SpoolSender:
         first failed batch (those events stay spooled)."""
         sent = 0
         while batch := self._spool.oldest(self._batch_size):
-            await self._send([r for _, r in batch])
+            try:
+                await self._send([r for _, r in batch])
+            except Refused as e:
+                seq, record = batch[e.index]
+                self._spool.refuse(seq, e.reason)
+                log.error("usage_record_refused", event_id=record.event_id,
+                          request_id=record.request_id, reason=e.reason[:300])
+                continue
             self._spool.delete([seq for seq, _ in batch])
             sent += len(batch)
             if self._on_sent:

@@ -5,11 +5,13 @@ import asyncio
 
 import pytest
 
-from services.gateway.spool import SpoolSender, UsageRecord, UsageSpool
+from tokenserve.spool import SpoolSender, UsageSpool
+from tokenserve.usage import Source, UsageRecord
 
 
 def rec(i: int) -> UsageRecord:
-    return UsageRecord(event_id=f"ev-{i}", request_id=f"r-{i}", tenant_id="acme", app="",
+    return UsageRecord(event_id=f"ev-{i}", request_id=f"r-{i}", source=Source.GATEWAY,
+                       tenant_id="acme", app="",
                        model="m", model_version="v1", tier="free", prompt_tokens=3,
                        completion_tokens=i, cached_tokens=0, status="OK", started_at=1.0,
                        finished_at=2.0)
