@@ -5,6 +5,7 @@ import argparse
 from typing import Sequence
 
 from controlplane import schema
+from controlplane import top as top_view
 from tokenserve.runtime.errors import InvalidArgument
 
 
@@ -123,6 +124,9 @@ def build_parser(*, default_endpoints: str, default_actor: str,
                    parents=[conn])
     p = sub.add_parser("watch", help="print config changes as they happen", parents=[conn])
     p.add_argument("--count", type=int, default=0, help="exit after N changes (0: run until Ctrl-C)")
+    sub.add_parser("seed", help="write the default tiers, degradation, model and route where missing",
+                   parents=[conn])
+    top_view.add_parser(sub, conn)
     return top
 
 
