@@ -8,7 +8,7 @@ registered engine's GetInfo (running, waiting, KV blocks free), and each service
 /metrics endpoint (`--metrics HOST:PORT`, repeatable, or every port `tokenserve up` wrote to
 <suite-dir>/up.json). Rates and latency percentiles are taken over the interval between two
 scrapes; a percentile with no observation in the interval is taken since the process started
-(`latency_window: "start"`).
+(`ttft_window` / `itl_window`: "start").
 """
 from __future__ import annotations
 
@@ -114,7 +114,8 @@ class EngineRow:
     ttft_p99_s: float | None = None
     itl_p50_s: float | None = None
     itl_p99_s: float | None = None
-    latency_window: str = "interval"
+    ttft_window: str = "interval"  # "start": no first token in the interval, percentiles since start
+    itl_window: str = "interval"
     running: int = 0
     waiting: int = 0
     kv_used_fraction: float | None = None
@@ -140,7 +141,7 @@ def engine_row(address: str, before: Samples, after: Samples, seconds: float) ->
         metrics=address,
         tokens_per_s=_rate(before, after, "tokenserve_engine_generated_tokens_total", seconds),
         ttft_p50_s=ttft[0], ttft_p99_s=ttft[1], itl_p50_s=itl[0], itl_p99_s=itl[1],
-        latency_window="start" if "start" in (ttft[2], itl[2]) else "interval",
+        ttft_window=ttft[2], itl_window=itl[2],
         running=int(_sum(after, "tokenserve_engine_running_requests")),
         waiting=int(_sum(after, "tokenserve_engine_waiting_requests")),
         kv_used_fraction=round(used / (used + free), 4) if used + free else None)

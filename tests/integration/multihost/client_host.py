@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import sys
+import threading
 import time
 import urllib.request
 
@@ -58,6 +59,37 @@ def run_tsctl(req: dict) -> dict:
     return {"rc": rc, "out": out.getvalue()}
 
 
+def top_while_generating(req: dict) -> dict:
+    """Runs `tsctl top` (req["args"]) while a long generation streams through a gateway."""
+    first, stop = threading.Event(), threading.Event()
+    streamed = {"chunks": 0, "code": "OK"}
+
+    def stream():
+        with grpc.insecure_channel(req["gateway"]) as ch:
+            call = gateway_pb2_grpc.InferenceServiceStub(ch).Generate(
+                gateway_pb2.GenerateRequest(prompt=req["prompt"], max_tokens=req["max_tokens"]),
+                metadata=(("authorization", f"Bearer {req['key']}"),), timeout=120)
+            try:
+                for _ in call:
+                    streamed["chunks"] += 1
+                    first.set()
+                    if stop.is_set():
+                        call.cancel()
+            except grpc.RpcError as e:
+                streamed["code"] = e.code().name
+            first.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    first.wait(60)
+    try:
+        return {**run_tsctl(req), "streamed_before_top": streamed["chunks"]}
+    finally:
+        stop.set()
+        thread.join(60)
+        print(json.dumps({"top_while_generating": streamed}), file=sys.stderr, flush=True)
+
+
 def metric(req: dict) -> dict:
     try:
         with urllib.request.urlopen(f"http://{req['address']}/metrics", timeout=2) as r:
@@ -98,6 +130,7 @@ def etcd_health(req: dict) -> dict:
 
 
 OPS = {"generate": generate, "failover": failover, "tsctl": run_tsctl, "metric": metric,
+       "top_while_generating": top_while_generating,
        "health": health, "etcd_health": etcd_health}
 
 

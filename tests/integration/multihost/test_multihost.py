@@ -154,6 +154,29 @@ def test_a_request_through_either_gateway_reaches_the_engine_found_in_etcd(clust
         assert out["tokens"] > 0 and out["text"].strip()
 
 
+def test_tsctl_top_once_shows_each_engine_and_gateway_across_hosts(cluster):
+    net, client, key, procs, tmp = cluster
+    out = client.call("top_while_generating", gateway=GW1, key=key, max_tokens=200,
+                      prompt="Once upon a time, in a small village by the sea, there lived an old baker who",
+                      args=["--endpoints", ENDPOINTS, "top", "--once", "--json", "--interval", "1",
+                            "--metrics", f"{HOSTS['gw1']}:9101", "--metrics", f"{HOSTS['gw2']}:9101",
+                            "--metrics", f"{HOSTS['eng']}:9103"])
+    assert out["rc"] == 0, out
+    view = json.loads(out["out"])
+    assert view["etcd_error"] is None and view["unreachable"] == []
+    [engine] = view["engines"]
+    assert engine["endpoint"] == f"{HOSTS['eng']}:50053" and engine["metrics"] == f"{HOSTS['eng']}:9103"
+    assert engine["model"] == DEFAULT_MODEL_NAME
+    assert engine["tokens_per_s"] > 0 and engine["running"] == 1  # the story is streaming
+    assert 0 < engine["ttft_p50_s"] <= engine["ttft_p99_s"]
+    assert 0 < engine["kv_used_fraction"] < 1
+    assert sorted(g["metrics"] for g in view["gateways"]) == [f"{HOSTS['gw1']}:9101", f"{HOSTS['gw2']}:9101"]
+    assert sorted(view["registered"]["gateways"]) == [f"{HOSTS['gw1']}:50051", f"{HOSTS['gw2']}:50051"]
+    gw1 = next(g for g in view["gateways"] if g["metrics"].startswith(HOSTS["gw1"]))
+    assert gw1["tokens_per_s"] > 0 and gw1["ttft_p99_s"] > 0
+    assert view["totals"]["tokens_per_s"] == engine["tokens_per_s"]
+
+
 def test_one_etcd_member_killed_the_rest_keep_policy_live(cluster):
     net, client, key, procs, tmp = cluster
     procs["etcd1"].send_signal(signal.SIGKILL)
