@@ -6,6 +6,7 @@ the test asks, one JSON request per stdin line, one JSON answer per stdout line.
     {"op": "metric", "address": "10.213.0.11:9101", "name": "tokenserve_gateway_config_revision"}
     {"op": "health", "address": "10.213.0.21:50052", "timeout": 60}
     {"op": "etcd_health", "address": "10.213.0.1:2379", "timeout": 30}
+    {"op": "prometheus_query", "address": "10.213.0.50:9090", "query": "up"}
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 import grpc
@@ -100,6 +102,17 @@ def metric(req: dict) -> dict:
     return {"value": sum(values) if values else None, "error": None}
 
 
+def prometheus_query(req: dict) -> dict:
+    """An instant query against Prometheus' HTTP API: the result vector."""
+    url = f"http://{req['address']}/api/v1/query?" + urllib.parse.urlencode({"query": req["query"]})
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            body = json.loads(r.read())
+    except OSError as e:
+        return {"result": None, "error": str(e)}
+    return {"result": body["data"]["result"], "error": None}
+
+
 def health(req: dict) -> dict:
     deadline = time.monotonic() + req.get("timeout", 60)
     status = "UNKNOWN"
@@ -130,7 +143,7 @@ def etcd_health(req: dict) -> dict:
 
 
 OPS = {"generate": generate, "failover": failover, "tsctl": run_tsctl, "metric": metric,
-       "top_while_generating": top_while_generating,
+       "top_while_generating": top_while_generating, "prometheus_query": prometheus_query,
        "health": health, "etcd_health": etcd_health}
 
 

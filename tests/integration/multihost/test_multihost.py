@@ -4,6 +4,7 @@ bridge), every service a real process, the real SmolLM2 model in the engine.
     etcd1 10.213.0.1   etcd2 10.213.0.2   etcd3 10.213.0.3     (one three-member cluster)
     gw1   10.213.0.11  gw2   10.213.0.12                       (gateways, no static engines)
     tok   10.213.0.21  eng   10.213.0.31  meter 10.213.0.41
+    mon   10.213.0.50  (Prometheus, where the Debian package is installed)
     client 10.213.0.100                                        (tsctl and the API calls)
 
 The tests share one cluster and run in file order; each leaves it as the next expects.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +32,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[3]
 HOSTS = {"etcd1": "10.213.0.1", "etcd2": "10.213.0.2", "etcd3": "10.213.0.3",
          "gw1": "10.213.0.11", "gw2": "10.213.0.12", "tok": "10.213.0.21", "eng": "10.213.0.31",
-         "meter": "10.213.0.41", "client": "10.213.0.100"}
+         "meter": "10.213.0.41", "mon": "10.213.0.50", "client": "10.213.0.100"}
+METRICS = {"gw1": 9101, "gw2": 9101, "tok": 9102, "eng": 9103, "meter": 9104}
 ETCD = ("etcd1", "etcd2", "etcd3")
 ENDPOINTS = ",".join(f"{HOSTS[h]}:2379" for h in ETCD)
 GW1, GW2 = f"{HOSTS['gw1']}:50051", f"{HOSTS['gw2']}:50051"
@@ -175,6 +178,42 @@ def test_tsctl_top_once_shows_each_engine_and_gateway_across_hosts(cluster):
     gw1 = next(g for g in view["gateways"] if g["metrics"].startswith(HOSTS["gw1"]))
     assert gw1["tokens_per_s"] > 0 and gw1["ttft_p99_s"] > 0
     assert view["totals"]["tokens_per_s"] == engine["tokens_per_s"]
+
+
+def test_prometheus_scrapes_every_host_and_the_rules_answer(cluster):
+    net, client, key, procs, tmp = cluster
+    if shutil.which("prometheus") is None:
+        message = "prometheus not installed (Debian package prometheus; .ci/run installs it)"
+        pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
+    rules = ROOT / "compose" / "prometheus" / "rules.yml"
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+              "rule_files": [str(rules)],
+              "scrape_configs": [{"job_name": f"tokenserve-{host}",
+                                  "static_configs": [{"targets": [f"{HOSTS[host]}:{port}"]}]}
+                                 for host, port in METRICS.items()]}
+    (tmp / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    procs["mon"] = net.spawn("mon", [
+        "prometheus", f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+        f"--web.listen-address={HOSTS['mon']}:9090"], log=tmp / "prometheus.log")
+    mon = f"{HOSTS['mon']}:9090"
+
+    def query(q: str, want):
+        end, result = time.monotonic() + 30, None
+        while time.monotonic() < end:
+            result = client.call("prometheus_query", address=mon, query=q)["result"]
+            if result and want(result):
+                return result
+            time.sleep(0.5)
+        return result
+
+    up = query('up{job=~"tokenserve-.*"} == 1', lambda r: len(r) == len(METRICS))
+    assert sorted(r["metric"]["instance"] for r in up) == sorted(f"{HOSTS[h]}:{p}" for h, p in METRICS.items())
+    generated = query("sum(tokenserve_engine_generated_tokens_total)", lambda r: True)
+    assert float(generated[0]["value"][1]) > 0  # the tokens the earlier tests streamed
+    # a recording rule from compose/prometheus/rules.yml, evaluated over the scraped data
+    recorded = query("tokenserve:engine_kv_use:ratio", lambda r: True)
+    assert recorded and 0 <= float(recorded[0]["value"][1]) < 1
+    net.stop(procs.pop("mon"))
 
 
 def test_one_etcd_member_killed_the_rest_keep_policy_live(cluster):
