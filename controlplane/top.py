@@ -1,6 +1,7 @@
 """`tsctl top`: a live view of the running suite, refreshed every second.
 
     tsctl top --metrics 127.0.0.1:9101 --metrics 127.0.0.1:9103     # live (Ctrl-C to stop)
+    tsctl top --metrics 10.0.0.5:50053=10.0.0.5:9103 ...             # engine endpoint = its /metrics
     tsctl top --suite-dir var --once --json                          # one sample, for scripts
 
 Where the numbers come from: engines and gateways registered in etcd (their leases), each
@@ -36,8 +37,9 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def add_parser(sub: argparse._SubParsersAction, conn: argparse.ArgumentParser) -> None:
     p = sub.add_parser("top", parents=[conn], help="live view of engines and gateways: tokens/s, "
                        "TTFT and inter-token percentiles, queue, KV use, rejections by tier")
-    p.add_argument("--metrics", action="append", default=[], metavar="HOST:PORT",
-                   help="a service's /metrics address (repeatable)")
+    p.add_argument("--metrics", action="append", default=[], metavar="[ENDPOINT=]HOST:PORT",
+                   help="a service's /metrics address (repeatable); ENDPOINT= names the gRPC "
+                        "endpoint an engine registered, where several engines share a host")
     p.add_argument("--suite-dir", help="a `tokenserve up` data dir: scrape every service it started")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--once", action="store_true", help="print one sample (two scrapes an interval "
@@ -179,8 +181,31 @@ def scrape(address: str, timeout: float = 2.0) -> Samples | None:
 
 
 def suite_metrics(suite_dir: str) -> list[str]:
+    """--metrics values for every service `tokenserve up` started (engine paired with its port)."""
     ports = json.loads((Path(suite_dir) / "up.json").read_text())["ports"]
-    return [f"127.0.0.1:{port}" for name, port in sorted(ports.items()) if name.endswith("_metrics")]
+    return [(f"127.0.0.1:{ports[name.removesuffix('_metrics')]}=" if name == "engine_metrics" else "")
+            + f"127.0.0.1:{port}" for name, port in sorted(ports.items()) if name.endswith("_metrics")]
+
+
+def pair(metrics: list[str]) -> dict[str, str | None]:
+    """["[ENDPOINT=]HOST:PORT", ...] -> {metrics address: engine endpoint or None}."""
+    out = {}
+    for value in metrics:
+        endpoint, _, address = value.rpartition("=")
+        out[address] = endpoint or None
+    return out
+
+
+def match(engines: list[EngineRow], endpoint: str, paired: dict[str, str | None]) -> EngineRow | None:
+    """The scraped row of the engine registered at `endpoint`: named by --metrics ENDPOINT=, else
+    the only unnamed engine row on the same host (None when there is no such single row)."""
+    named = [e for e in engines if paired.get(e.metrics) == endpoint]
+    if named:
+        return named[0]
+    host = endpoint.rpartition(":")[0]
+    same = [e for e in engines if not e.endpoint and paired.get(e.metrics) is None
+            and e.metrics.rpartition(":")[0] == host]
+    return same[0] if len(same) == 1 else None
 
 
 async def registrations(options: EtcdOptions) -> dict:
@@ -206,9 +231,10 @@ async def engine_info(endpoint: str) -> dict | None:
             if r.kv_blocks_total else None}
 
 
-async def sample(options: EtcdOptions, addresses: list[str], before: dict[str, Samples],
+async def sample(options: EtcdOptions, paired: dict[str, str | None], before: dict[str, Samples],
                  seconds: float) -> tuple[dict, dict[str, Samples]]:
     """One view: rows from the scrapes now compared with `before` (taken `seconds` ago)."""
+    addresses = list(paired)
     after = {a: s for a in addresses if (s := await asyncio.to_thread(scrape, a)) is not None}
     reg = await registrations(options)
     engines, gateways = [], []
@@ -218,11 +244,10 @@ async def sample(options: EtcdOptions, addresses: list[str], before: dict[str, S
             engines.append(engine_row(address, before.get(address, now), now, seconds))
         elif kind == "gateway":
             gateways.append(gateway_row(address, before.get(address, now), now, seconds))
-    # registered engines: live load from GetInfo, matched to a scraped row by host
+    # registered engines: live load from GetInfo, on the row scraped from the same engine
     for r in reg["engines"]:
         info = await engine_info(r.endpoint)
-        host = r.endpoint.rpartition(":")[0]
-        row = next((e for e in engines if not e.endpoint and e.metrics.rpartition(":")[0] == host), None)
+        row = match(engines, r.endpoint, paired)
         if row is None:
             row = EngineRow(metrics="")
             engines.append(row)
@@ -274,13 +299,13 @@ def render(view: dict) -> str:
 
 
 async def cmd_top(options: EtcdOptions, a: argparse.Namespace) -> int:
-    addresses = list(a.metrics) + (suite_metrics(a.suite_dir) if a.suite_dir else [])
-    before = {x: s for x in addresses if (s := await asyncio.to_thread(scrape, x)) is not None}
+    paired = pair(list(a.metrics) + (suite_metrics(a.suite_dir) if a.suite_dir else []))
+    before = {x: s for x in paired if (s := await asyncio.to_thread(scrape, x)) is not None}
     taken = time.monotonic()
     while True:
         await asyncio.sleep(a.interval)
         now = time.monotonic()
-        view, before = await sample(options, addresses, before, now - taken)
+        view, before = await sample(options, paired, before, now - taken)
         taken = now
         if a.once:
             print(json.dumps(view, indent=2, sort_keys=True) if a.json else render(view))

@@ -65,3 +65,14 @@ tokenserve_gateway_usage_spool_events 3.0
     assert row.requests_per_s == 2.0
     assert row.spool_events == 3 and row.degradation_level is None
     assert kind_of(parse_samples(text)) == "gateway" and kind_of(parse_samples(ENGINE_AFTER)) == "engine"
+
+
+def test_engines_sharing_a_host_are_matched_only_when_named():
+    from controlplane.top import EngineRow, match, pair
+
+    rows = [EngineRow(metrics="h:9103"), EngineRow(metrics="h:9203")]
+    assert match(rows, "h:50053", pair(["h:9103", "h:9203"])) is None  # ambiguous: not guessed
+    paired = pair(["h:50053=h:9103", "h:9203"])
+    assert match(rows, "h:50053", paired) is rows[0]
+    assert match(rows[:1], "other:50053", pair(["h:9103"])) is None
+    assert match(rows[1:], "h:60053", pair(["h:9203"])) is rows[1]  # the only one on its host
