@@ -267,7 +267,7 @@ async def sample(options: EtcdOptions, paired: dict[str, str | None], before: di
 
 
 def render(view: dict) -> str:
-    from controlplane.tsctl import render_table
+    from controlplane.tsctl import render_table  # here: tsctl imports this module
 
     def ms(v):
         return "-" if v is None else f"{v * 1000:.0f}"
@@ -310,6 +310,7 @@ async def cmd_top(options: EtcdOptions, a: argparse.Namespace) -> int:
         if a.once:
             print(json.dumps(view, indent=2, sort_keys=True) if a.json else render(view))
             return 0
-        # clear the screen and home the cursor, then draw the frame
-        print("\x1b[2J\x1b[H" + (json.dumps(view, sort_keys=True) if a.json else render(view)),
-              flush=True)
+        if a.json:  # one JSON document per line, for a script to follow
+            print(json.dumps(view, sort_keys=True), flush=True)
+        else:  # clear the screen and home the cursor, then draw the frame
+            print("\x1b[2J\x1b[H" + render(view), flush=True)

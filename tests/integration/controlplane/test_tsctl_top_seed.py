@@ -7,7 +7,11 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from controlplane.seed import default_documents
+
+pytestmark = pytest.mark.slow  # tsctl as subprocesses, like test_tsctl.py
 
 
 def tsctl(endpoint: str, *args: str) -> subprocess.CompletedProcess:

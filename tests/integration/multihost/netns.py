@@ -3,6 +3,7 @@ veth link (eth0, 10.213.0.N/24) into a bridge that lives in a switch namespace, 
 or route is added outside the namespaces made here.
 
     net = Network("ts1234")
+    net.start()
     net.add_host("etcd1", "10.213.0.1")
     proc = net.spawn("etcd1", ["etcd", ...], log=path)
     net.cut("gw1"); net.heal("gw1")               # the host's link down / up
@@ -43,8 +44,11 @@ class Network:
         self.hosts: dict[str, str] = {}  # host -> address
         self.procs: list[subprocess.Popen] = []
         self._namespaces: list[str] = []
-        ip("netns", "add", self.switch)
+
+    def start(self) -> None:
+        """Makes the switch; call inside the try whose finally calls close()."""
         self._namespaces.append(self.switch)
+        ip("netns", "add", self.switch)
         ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         ip("-n", self.switch, "link", "set", "dev", "br0", "up")
 
@@ -56,8 +60,8 @@ class Network:
 
     def add_host(self, host: str, address: str) -> None:
         ns = self.ns(host)
-        ip("netns", "add", ns)
         self._namespaces.append(ns)
+        ip("netns", "add", ns)
         ip("-n", ns, "link", "set", "dev", "lo", "up")
         ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", self._port(host),
            "netns", self.switch)

@@ -94,6 +94,7 @@ def cluster(tmp_path_factory):
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     net = Network(f"ts{os.getpid() % 100000}")
     try:
+        net.start()
         for host, address in HOSTS.items():
             net.add_host(host, address)
         procs = start(net, tmp, env)
@@ -165,6 +166,7 @@ def test_tsctl_top_once_shows_each_engine_and_gateway_across_hosts(cluster):
                             "--metrics", f"{HOSTS['gw1']}:9101", "--metrics", f"{HOSTS['gw2']}:9101",
                             "--metrics", f"{HOSTS['eng']}:9103"])
     assert out["rc"] == 0, out
+    assert out["still_streaming"], "the story ended before top's second scrape"
     view = json.loads(out["out"])
     assert view["etcd_error"] is None and view["unreachable"] == []
     [engine] = view["engines"]
