@@ -37,9 +37,7 @@ class _Captured(Exception):
 def service_parser(module: str) -> argparse.ArgumentParser:
     """The ArgumentParser that `module`'s parse_args builds (caught as it parses), with
     errors raised as FlagError instead of exiting."""
-    main = importlib.import_module(f"{module}.main") if module.startswith("services.") else None
-    if main is None:
-        raise ValueError(f"{module} is not a service module")
+    main = importlib.import_module(f"{module}.main")
 
     def capture(self, args=None, namespace=None):
         raise _Captured(self)
@@ -169,14 +167,24 @@ _SUFFIXES = {"Counter": ("", "_total", "_created"), "Gauge": ("",),
              "Summary": ("", "_sum", "_count", "_created")}
 
 
+# the config watcher's gauges, named after the service that runs it (controlplane/watcher.py)
+_WATCHER_GAUGE = re.compile(r'_gauge\(reg, f"tokenserve_\{service\}_([a-z0-9_]+)"')
+_WATCHER_SERVICE = re.compile(r'ConfigWatcher\((?:[^()]|\([^()]*\))*?service="([a-z]+)"', re.S)
+
+
 def code_metrics() -> dict[str, str]:
     """Every series name the services' prometheus_client definitions expose -> its source file."""
     names = {}
-    for path in sorted((ROOT / "services").rglob("*.py")) + sorted((ROOT / "controlplane").rglob("*.py")):
+    sources = sorted((ROOT / "services").rglob("*.py")) + sorted((ROOT / "controlplane").rglob("*.py"))
+    for path in sources:
         for kind, name in _DEFINITION.findall(path.read_text()):
             base = name[:-len("_total")] if kind == "Counter" and name.endswith("_total") else name
             for suffix in _SUFFIXES[kind]:
                 names[base + suffix] = str(path.relative_to(ROOT))
+    gauges = _WATCHER_GAUGE.findall((ROOT / "controlplane" / "watcher.py").read_text())
+    for path in sources:
+        for service in _WATCHER_SERVICE.findall(path.read_text()):
+            names.update({f"tokenserve_{service}_{g}": "controlplane/watcher.py" for g in gauges})
     return names
 
 
