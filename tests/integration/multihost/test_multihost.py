@@ -71,6 +71,15 @@ class Client:
     def metric(self, host: str, port: int, name: str) -> float | None:
         return self.call("metric", address=f"{HOSTS[host]}:{port}", name=name)["value"]
 
+    def wait_status(self, predicate, timeout: float = 30.0) -> dict:
+        """Polls `tsctl status --json` until predicate(status) holds (bounded); the last status."""
+        end = time.monotonic() + timeout
+        while True:
+            status = json.loads(self.tsctl("status", "--json"))
+            if predicate(status) or time.monotonic() > end:
+                return status
+            time.sleep(0.25)
+
     def wait_metric(self, host: str, port: int, name: str, predicate, timeout: float = 30.0):
         """Polls a gauge on a host's /metrics until predicate(value) holds (bounded)."""
         end, value = time.monotonic() + timeout, None
@@ -108,6 +117,8 @@ def cluster(tmp_path_factory):
                            ("gw2", 50051)):
             status = client.call("health", address=f"{HOSTS[host]}:{port}", timeout=120)["status"]
             assert status == "SERVING", f"{host}: {status}; logs in {tmp}"
+        # registrations follow SERVING: wait for the engine's and both gateways' leases
+        client.wait_status(lambda st: len(st["engines"]) == 1 and len(st["gateways"]) == 2)
         yield net, client, key, procs, tmp
     finally:
         net.close()
@@ -271,13 +282,8 @@ def test_gateway_host_cut_off_clients_fail_over_to_the_other(cluster):
         assert out["served_by"] == GW2
         assert out["tried"][0]["code"] in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), out["tried"]
         # gw1's registration lease runs out: etcd no longer lists it
-        end = time.monotonic() + 20
-        while time.monotonic() < end:
-            ids = [g["id"] for g in json.loads(client.tsctl("status", "--json"))["gateways"]]
-            if ids == ["gw2"]:
-                break
-            time.sleep(0.5)
-        assert ids == ["gw2"]
+        status = client.wait_status(lambda st: [g["id"] for g in st["gateways"]] == ["gw2"])
+        assert [g["id"] for g in status["gateways"]] == ["gw2"]
     finally:
         net.heal("gw1")
 
@@ -286,12 +292,6 @@ def test_an_engine_that_dies_leaves_routing_with_its_lease(cluster):
     net, client, key, procs, tmp = cluster
     procs["eng"].send_signal(signal.SIGKILL)
     procs["eng"].wait(10)
-    end, engines = time.monotonic() + 20, None
-    while time.monotonic() < end:
-        engines = json.loads(client.tsctl("status", "--json"))["engines"]
-        if not engines:
-            break
-        time.sleep(0.5)
-    assert engines == []
+    assert client.wait_status(lambda st: not st["engines"])["engines"] == []
     out = client.generate(GW2, key)
     assert out["code"] == "UNAVAILABLE", out
