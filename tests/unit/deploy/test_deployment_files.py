@@ -76,6 +76,7 @@ def _compose_services(compose: dict) -> dict[str, tuple[str, list[str], dict]]:
 @pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.gpu.yml"])
 def test_compose_files_are_valid_against_the_compose_specification(name):
     # compose-spec.json: schema/compose-spec.json of github.com/compose-spec/compose-spec
+    # (Apache-2.0), commit 170098ba07d9f53c383a41bfd4c5166b0a4529a6
     schema = json.loads((Path(__file__).parent / "compose-spec.json").read_text())
     errors = [f"{'/'.join(map(str, e.path))}: {e.message}"
               for e in jsonschema.Draft7Validator(schema).iter_errors(load_compose(name))]
