@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controlplane.etcd_client import EtcdOptions
 from controlplane.store import ConfigStore
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
+from tokenserve.runtime.errors import InvalidArgument
 
 # (metric name, label items) -> value
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -182,7 +183,12 @@ def scrape(address: str, timeout: float = 2.0) -> Samples | None:
 
 def suite_metrics(suite_dir: str) -> list[str]:
     """--metrics values for every service `tokenserve up` started (engine paired with its port)."""
-    ports = json.loads((Path(suite_dir) / "up.json").read_text())["ports"]
+    path = Path(suite_dir) / "up.json"
+    try:
+        ports = json.loads(path.read_text())["ports"]
+    except (OSError, ValueError, KeyError) as e:
+        raise InvalidArgument(f"--suite-dir: cannot read {path} ({type(e).__name__}); "
+                              f"is `tokenserve up --data-dir {suite_dir}` running?") from None
     return [(f"127.0.0.1:{ports[name.removesuffix('_metrics')]}=" if name == "engine_metrics" else "")
             + f"127.0.0.1:{port}" for name, port in sorted(ports.items()) if name.endswith("_metrics")]
 
