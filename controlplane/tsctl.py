@@ -23,6 +23,8 @@ import sys
 from typing import Any, Sequence
 
 from controlplane import admin, schema
+from controlplane import seed as seeding
+from controlplane import top as top_view
 from controlplane.etcd_client import EtcdOptions
 from controlplane.store import ConfigStore
 from controlplane.tsctl_args import build_parser, parse_assignments, parse_ladder
@@ -272,6 +274,13 @@ async def cmd_status(store: ConfigStore, a: argparse.Namespace, out: Output) -> 
     return EXIT_OK
 
 
+async def cmd_seed(store: ConfigStore, a: argparse.Namespace, out: Output) -> int:
+    """Writes each default document that is missing (an operator's edits stay)."""
+    written = await seeding.seed(store, actor=a.actor)
+    out.emit({"written": written}, text="seeded: " + (", ".join(written) or "nothing (all present)"))
+    return EXIT_OK
+
+
 async def cmd_watch(options: EtcdOptions, a: argparse.Namespace, out: Output) -> int:
     """Prints every config change as it is applied (Ctrl-C to stop)."""
     watcher = ConfigWatcher(options)
@@ -306,7 +315,7 @@ async def cmd_watch(options: EtcdOptions, a: argparse.Namespace, out: Output) ->
 
 COMMANDS = {"tenant": cmd_tenant, "key": cmd_key, "tier": cmd_tier, "degrade": cmd_degrade,
             "route": cmd_route, "model": cmd_model, "power": cmd_power, "history": cmd_history,
-            "rollback": cmd_rollback, "status": cmd_status}
+            "rollback": cmd_rollback, "status": cmd_status, "seed": cmd_seed}
 
 
 async def run(a: argparse.Namespace) -> int:
@@ -317,6 +326,8 @@ async def run(a: argparse.Namespace) -> int:
         return await cmd_watch(options, a, out)
     if a.command == "usage":  # the meter, not etcd
         return await cmd_usage(a, out)
+    if a.command == "top":
+        return await top_view.cmd_top(options, a)
     async with ConfigStore(options) as store:
         return await COMMANDS[a.command](store, a, out)
 

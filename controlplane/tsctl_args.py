@@ -6,6 +6,7 @@ from typing import Sequence
 
 from controlplane import schema
 from controlplane.tsctl_usage import add_usage_parser
+from controlplane import top as top_view
 from tokenserve.runtime.errors import InvalidArgument
 
 
@@ -126,6 +127,9 @@ def build_parser(*, default_endpoints: str, default_actor: str,
     p = sub.add_parser("watch", help="print config changes as they happen", parents=[conn])
     p.add_argument("--count", type=int, default=0, help="exit after N changes (0: run until Ctrl-C)")
     add_usage_parser(sub, conn, default_meter)
+    sub.add_parser("seed", help="write the default tiers, degradation, model and route where missing",
+                   parents=[conn])
+    top_view.add_parser(sub, conn)
     return top
 
 
