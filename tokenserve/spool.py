@@ -1,8 +1,9 @@
 """Usage records on local disk until the meter has them (at-least-once; the meter dedupes).
 
 The gateway and every engine each keep one spool and one sender (this module, shared).
-`UsageSpool.append` commits to a SQLite file (WAL, synchronous=FULL) before the service
-sends the last message of a request, so a crash after that loses nothing. `SpoolSender`
+`UsageSpool.put` commits to a SQLite file (WAL) before the service sends the last message of
+a request, so a crash of the service after that loses nothing (see DURABILITIES for how
+soon it is on disk). `SpoolSender`
 ships the oldest events in batches and deletes them only after the meter acknowledged them;
 while the meter is down it retries with exponential backoff. A record the meter refuses for
 good (INVALID_ARGUMENT naming `events[i]`: say its tenant was deleted) moves to the spool's
@@ -11,8 +12,11 @@ good (INVALID_ARGUMENT naming `events[i]`: say its tenant was deleted) moves to 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import sqlite3
+import threading
+import time
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
@@ -27,35 +31,119 @@ from tokenserve.usage import UsageRecord, from_json, to_json, to_pb
 log = structlog.get_logger(component="spool")
 
 
+# How durable a record is when `put` returns (the services' --spool-durability flag).
+#   "process": committed to the write-ahead log without waiting for the disk (~20 us): it
+#     survives the service crashing or being killed; a background flush puts it on disk
+#     within FLUSH_SECONDS (a machine crash in that window can lose it).
+#   "disk": on disk (fsync) before `put` returns; records that arrive while a commit is in
+#     progress share the next commit's fsync (group commit), so concurrent requests do not
+#     queue behind one fsync each.
+DURABILITIES = ("process", "disk")
+FLUSH_SECONDS = 0.05
+
+
 class UsageSpool:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, durability: str = "process"):
+        if durability not in DURABILITIES:
+            raise ValueError(f"durability must be one of {DURABILITIES}, got {durability!r}")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.durability = durability
+        # One connection, used from the event loop and from the commit/flush threads.
+        self._lock = threading.Lock()
         self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA synchronous=" + ("FULL" if durability == "disk" else "NORMAL"))
         self._conn.execute("PRAGMA busy_timeout=5000")
         self._conn.execute("CREATE TABLE IF NOT EXISTS spool (seq INTEGER PRIMARY KEY"
                            " AUTOINCREMENT, event_id TEXT UNIQUE NOT NULL, record TEXT NOT NULL)")
         self._conn.execute("CREATE TABLE IF NOT EXISTS refused (event_id TEXT PRIMARY KEY,"
                            " record TEXT NOT NULL, reason TEXT NOT NULL)")
+        # "process": the WAL file, fsynced by the flusher thread after each burst of writes.
+        self._wal = (os.open(f"{path}-wal", os.O_RDONLY | os.O_CREAT, 0o600)
+                     if durability == "process" else None)
+        self._dirty = threading.Event()
+        self._closed = False
+        self._flusher = None
+        if self._wal is not None:
+            self._flusher = threading.Thread(target=self._flush_loop, name="spool-flush",
+                                             daemon=True)
+            self._flusher.start()
+        # "disk": records waiting for the next group commit, and that commit's waiters.
+        self._pending: list[tuple[UsageRecord, asyncio.Future]] = []
+        self._committing = False
 
     def append(self, record: UsageRecord) -> None:
-        """Durable on return. The same event id twice is stored once."""
-        self._conn.execute("INSERT OR IGNORE INTO spool (event_id, record) VALUES (?, ?)",
-                           (record.event_id, to_json(record)))
+        """Stores `record` as durably as the spool's durability says, blocking the caller
+        for the commit. The same event id twice is stored once."""
+        self._insert([record])
+
+    async def put(self, record: UsageRecord) -> None:
+        """`append` for the event loop: with "disk" durability it waits for a group commit
+        on a worker thread instead of blocking the loop for an fsync."""
+        if self.durability == "process":
+            self._insert([record])
+            return
+        done = asyncio.get_running_loop().create_future()
+        self._pending.append((record, done))
+        if not self._committing:
+            self._committing = True
+            asyncio.create_task(self._commit_pending())
+        await done
+
+    async def _commit_pending(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                try:
+                    await asyncio.to_thread(self._insert, [r for r, _ in batch])
+                except Exception as e:  # noqa: BLE001 - each waiter hears of the failure
+                    for _, done in batch:
+                        done.done() or done.set_exception(e)
+                else:
+                    for _, done in batch:
+                        done.done() or done.set_result(None)
+        finally:
+            self._committing = False
+
+    def _insert(self, records: list[UsageRecord]) -> None:
+        rows = [(r.event_id, to_json(r)) for r in records]
+        with self._lock, self._conn:
+            self._conn.execute("BEGIN")
+            self._conn.executemany("INSERT OR IGNORE INTO spool (event_id, record) VALUES (?, ?)",
+                                   rows)
+        if self._wal is not None:
+            self._dirty.set()
+
+    def _flush_loop(self) -> None:
+        while True:
+            self._dirty.wait()
+            if self._closed:
+                return
+            time.sleep(FLUSH_SECONDS)  # one fsync for every record of this burst
+            self._dirty.clear()
+            self.flush()
+
+    def flush(self) -> None:
+        """Puts every committed record on disk now."""
+        if self._wal is not None:
+            with self._lock:
+                if not self._closed:
+                    os.fsync(self._wal)
 
     def oldest(self, limit: int) -> list[tuple[int, UsageRecord]]:
-        rows = self._conn.execute("SELECT seq, record FROM spool ORDER BY seq LIMIT ?",
-                                  (limit,)).fetchall()
+        with self._lock:
+            rows = self._conn.execute("SELECT seq, record FROM spool ORDER BY seq LIMIT ?",
+                                      (limit,)).fetchall()
         return [(seq, from_json(text)) for seq, text in rows]
 
     def delete(self, seqs: Sequence[int]) -> None:
-        self._conn.executemany("DELETE FROM spool WHERE seq = ?", [(s,) for s in seqs])
+        with self._lock:
+            self._conn.executemany("DELETE FROM spool WHERE seq = ?", [(s,) for s in seqs])
 
     def refuse(self, seq: int, reason: str) -> None:
         """Moves one record out of the send queue into `refused` (one transaction)."""
-        with self._conn:
+        with self._lock, self._conn:
             self._conn.execute("BEGIN")
             self._conn.execute("INSERT OR REPLACE INTO refused (event_id, record, reason)"
                                " SELECT event_id, record, ? FROM spool WHERE seq = ?",
@@ -63,14 +151,22 @@ class UsageSpool:
             self._conn.execute("DELETE FROM spool WHERE seq = ?", (seq,))
 
     def refused(self) -> list[tuple[UsageRecord, str]]:
-        return [(from_json(text), reason) for text, reason in
-                self._conn.execute("SELECT record, reason FROM refused").fetchall()]
+        with self._lock:
+            rows = self._conn.execute("SELECT record, reason FROM refused").fetchall()
+        return [(from_json(text), reason) for text, reason in rows]
 
     def __len__(self) -> int:
-        return self._conn.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
+        with self._lock:
+            return self._conn.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
 
     def close(self) -> None:
-        self._conn.close()
+        self.flush()
+        with self._lock:
+            self._closed = True
+            self._conn.close()
+            if self._wal is not None:
+                os.close(self._wal)
+        self._dirty.set()  # the flusher wakes, sees closed and ends
 
 
 # Sends a batch; returns once the meter has stored it (raises when it has not).

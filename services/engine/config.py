@@ -56,6 +56,9 @@ class EngineConfig:
     # file holding them until the meter has them.
     meter: str | None = None
     spool_path: str = "var/engine-spool.db"
+    # How durable a usage record is before the last message: "process" or "disk"
+    # (tokenserve.spool.DURABILITIES).
+    spool_durability: str = "process"
     # Externally reachable address registered in etcd (default host:port).
     advertise: str | None = None
     grace_seconds: float = 5.0
@@ -98,6 +101,8 @@ class EngineConfig:
                 raise ValueError(f"etcd endpoint must be host:port, got {ep!r}")
         if self.meter is not None:
             check_endpoint("--meter", self.meter)
+        if self.spool_durability not in ("process", "disk"):
+            raise ValueError("spool_durability must be 'process' or 'disk'")
         if not self.spool_path:
             raise ValueError("spool_path must be a file path")
         if self.grace_seconds < 0 or self.drain_seconds < 0:

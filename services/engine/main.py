@@ -27,6 +27,7 @@ from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default
 from tokenserve.runtime.logging import configure_logging, get_logger
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
 from tokenserve.runtime.config import add_server_args
+from tokenserve.spool import DURABILITIES
 
 log = get_logger(component="engine.main")
 
@@ -67,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--meter", default=None,
                    help="meter host:port: the engine sends its own usage record of every"
                         " request there (default: none)")
+    p.add_argument("--spool-durability", choices=DURABILITIES, default="process",
+                   help="how durable a usage record is before the request's last message: process (survives a crash of the service; on disk within 50 ms) or disk (fsync first; concurrent requests share one)")
     p.add_argument("--spool", default="var/engine-spool.db",
                    help="SQLite file holding usage records until the meter has them")
     p.add_argument("--advertise", default=None, help="host:port registered in etcd")
@@ -87,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
             enable_prefix_caching=not a.no_prefix_caching, watts=a.watts,
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
-            meter=a.meter, spool_path=a.spool,
+            meter=a.meter, spool_path=a.spool, spool_durability=a.spool_durability,
             advertise=a.advertise, grace_seconds=a.grace_seconds, drain_seconds=a.drain_seconds,
             log_level=a.log_level)
     except (ValueError, FileNotFoundError) as e:
@@ -200,7 +203,7 @@ def _start_usage(config: EngineConfig, engine: AsyncEngine):
     from tokenserve.runtime.channels import aio_channel
     from tokenserve.spool import SpoolSender, UsageSpool, send_usage
 
-    spool = UsageSpool(config.spool_path)
+    spool = UsageSpool(config.spool_path, config.spool_durability)
     channel = aio_channel(config.meter)
     stub = meter_pb2_grpc.MeterServiceStub(channel)
     sender = SpoolSender(spool, lambda records: send_usage(stub, records, 10.0),

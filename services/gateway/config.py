@@ -42,6 +42,9 @@ class GatewayConfig:
     # Last known good control-plane config (start from it when etcd is down).
     snapshot_path: str = "var/gateway-config.json"
     spool_path: str = "var/gateway-spool.db"
+    # How durable a usage record is before the last message: "process" or "disk"
+    # (tokenserve.spool.DURABILITIES).
+    spool_durability: str = "process"
     default_model: str = DEFAULT_MODEL_NAME
     # Deadline applied when the caller sets none.
     request_timeout_seconds: float = 30.0
@@ -80,5 +83,7 @@ class GatewayConfig:
                              f" got {self.quota_store!r}")
         if self.quota_fail not in ("open", "closed"):
             raise ValueError(f"--quota-fail must be 'open' or 'closed', got {self.quota_fail!r}")
+        if self.spool_durability not in ("process", "disk"):
+            raise ValueError("spool_durability must be 'process' or 'disk'")
         if not self.spool_path or not self.snapshot_path:
             raise ValueError("spool_path and snapshot_path must be file paths")

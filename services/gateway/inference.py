@@ -122,11 +122,11 @@ class Pipeline:
     def snapshot(self) -> ConfigSnapshot:
         return self._config.snapshot
 
-    def _spool_usage(self, progress: _Progress, status: str) -> None:
+    async def _spool_usage(self, progress: _Progress, status: str) -> None:
         if progress.recorded:
             return
         progress.recorded = True
-        self._spool.append(progress.record(status))
+        await self._spool.put(progress.record(status))
         metrics.USAGE_EVENTS_SPOOLED.inc()
         if self._sender is not None:
             self._sender.notify()
@@ -173,7 +173,7 @@ class Pipeline:
             raise
         finally:
             if progress.engine_called:
-                self._spool_usage(progress, status)
+                await self._spool_usage(progress, status)
             await self._quotas.settle(reservation, progress.billed_tokens)
 
     async def _generate(self, snap: ConfigSnapshot, progress: _Progress, prompt_ids: list[int],
@@ -206,8 +206,8 @@ class Pipeline:
                                 time.monotonic() - arrived)
                         if chunk.finish_reason is not None:
                             # Durable before the caller learns the request is complete.
-                            self._spool_usage(progress,
-                                              _FINISH_STATUS.get(chunk.finish_reason, "OK"))
+                            await self._spool_usage(
+                                progress, _FINISH_STATUS.get(chunk.finish_reason, "OK"))
                             yield chunk
                             return
                         if chunk.text or chunk.token_ids or chunk.logprobs:

@@ -27,7 +27,7 @@ from tokenserve.runtime.errors import ServiceError
 from tokenserve.runtime.logging import configure_logging
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
 from tokenserve.runtime.config import add_server_args
-from tokenserve.spool import SpoolSender, UsageSpool
+from tokenserve.spool import DURABILITIES, SpoolSender, UsageSpool
 
 SERVICE_NAME = "tokenserve.gateway.v1.InferenceService"
 # Lazy: resolved at first use, after configure_logging (JSON lines).
@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                    help="last known good control-plane config (used when etcd is down)")
     p.add_argument("--spool", default="var/gateway-spool.db",
                    help="SQLite file holding usage events until the meter has them")
+    p.add_argument("--spool-durability", choices=DURABILITIES, default="process",
+                   help="how durable a usage record is before the request's last message: process (survives a crash of the service; on disk within 50 ms) or disk (fsync first; concurrent requests share one)")
     p.add_argument("--default-model", default=GatewayConfig.default_model)
     p.add_argument("--request-timeout", type=float, default=30.0,
                    help="seconds allowed to a call that carries no deadline")
@@ -66,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
             tokenizer=a.tokenizer, meter=a.meter,
             engines=tuple(StaticEngine.parse(e) for e in a.engine),
-            snapshot_path=a.snapshot, spool_path=a.spool, default_model=a.default_model,
+            snapshot_path=a.snapshot, spool_path=a.spool,
+            spool_durability=a.spool_durability, default_model=a.default_model,
             request_timeout_seconds=a.request_timeout, quota_store=a.quota_store,
             quota_fail=a.quota_fail, gateway_id=a.gateway_id,
             log_level=a.log_level)
@@ -87,7 +90,7 @@ def quota_store(config: GatewayConfig, source: ConfigSource) -> QuotaStore:
 def build(config: GatewayConfig, source: ConfigSource) -> tuple[GrpcServer, SpoolSender]:
     """The server and its usage sender, wired to `source` (a started ConfigWatcher, or any
     holder of a snapshot). Start the sender once the loop runs; stopping the server flushes it."""
-    spool = UsageSpool(config.spool_path)
+    spool = UsageSpool(config.spool_path, config.spool_durability)
     metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
     meter_channel, tokenizer_channel = aio_channel(config.meter), aio_channel(config.tokenizer)
     meter = MeterClient(meter_channel)

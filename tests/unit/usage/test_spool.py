@@ -89,3 +89,45 @@ async def test_stop_flushes_what_is_left(tmp_path):
     await sender.stop(flush_timeout=5)
     assert meter.ids == ["ev-1"] and len(spool) == 0
     spool.close()
+
+
+def test_a_record_put_survives_the_writer_being_killed_at_once(tmp_path):
+    """"process" durability: once `append` returns, a SIGKILL of the service loses nothing."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    path = tmp_path / "s.db"
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[3])!r})
+        from tests.unit.usage.test_spool import rec
+        from tokenserve.spool import UsageSpool
+        spool = UsageSpool({str(path)!r}, "process")
+        for i in range(20):
+            spool.append(rec(i))
+        os.kill(os.getpid(), signal.SIGKILL)
+        """)])
+    assert child.wait(60) == -signal.SIGKILL
+    spool = UsageSpool(path)
+    assert [r.event_id for _, r in spool.oldest(100)] == [f"ev-{i}" for i in range(20)]
+    spool.close()
+
+
+async def test_disk_durability_commits_concurrent_records_together(tmp_path, monkeypatch):
+    spool = UsageSpool(tmp_path / "s.db", "disk")
+    commits = []
+    insert = spool._insert
+    monkeypatch.setattr(spool, "_insert", lambda rows: (commits.append(len(rows)), insert(rows)))
+    await asyncio.gather(*(spool.put(rec(i)) for i in range(50)))
+    assert sum(commits) == 50 and len(commits) < 50  # group commits, none lost
+    assert len(spool) == 50
+    spool.close()
+    spool = UsageSpool(tmp_path / "s.db", "disk")
+    assert len(spool) == 50
+    spool.close()
+
+
+def test_an_unknown_durability_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="durability must be one of"):
+        UsageSpool(tmp_path / "s.db", "eventually")
