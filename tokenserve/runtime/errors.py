@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import grpc
 
+# Metadata keys of a RESOURCE_EXHAUSTED refusal: milliseconds to wait, the limit that was hit
+# (rps, tpm, daily, concurrency, degraded), and `limit-<what>` facts about it (e.g.
+# `limit-remaining`). The SDK and the HTTP front read them from here.
+RETRY_AFTER_MS = "retry-after-ms"
+LIMIT = "limit"
+LIMIT_PREFIX = "limit-"
+
 
 class ServiceError(Exception):
     """Base of every error a caller should see with a precise status."""
@@ -61,7 +68,7 @@ class ResourceExhausted(ServiceError):
     def __init__(self, message: str, *, retry_after: float | None = None):
         md = ()
         if retry_after is not None:
-            md = (("retry-after-ms", str(max(0, int(retry_after * 1000)))),)
+            md = ((RETRY_AFTER_MS, str(max(0, int(retry_after * 1000)))),)
         super().__init__(message, metadata=md)
         self.retry_after = retry_after
 
@@ -83,6 +90,6 @@ def from_rpc_error(err: grpc.RpcError, *, context: str = "") -> ServiceError:
             return cls(message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         md = dict(err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else {}
-        retry = md.get("retry-after-ms")
+        retry = md.get(RETRY_AFTER_MS)
         return ResourceExhausted(message, retry_after=float(retry) / 1000 if retry else None)
     return Unavailable(message or f"downstream call failed with {code.name}")
