@@ -43,6 +43,8 @@ log = structlog.get_logger(component="http")
 
 Send = Callable[[dict], Awaitable[None]]
 _JSON = [(b"content-type", b"application/json")]
+# pydantic names the branch of a union it tried (`str`, `list[TextPart]`) in an error's loc.
+_UNION_BRANCHES = frozenset({"str", "int", "float", "bool", "none"})
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]
 
@@ -61,7 +63,12 @@ def _bad_body(err: ValidationError) -> Response:
     if first["type"] == "json_invalid":
         return _json_response(400, error_body(
             f"the request body is not valid JSON: {first['msg']}", "invalid_request_error"))
-    loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-"))
+    loc = ""
+    for part in first["loc"]:
+        if isinstance(part, int):
+            loc += f"[{part}]"
+        elif part not in _UNION_BRANCHES and "[" not in part and "-" not in part:
+            loc += f".{part}" if loc else part
     return _json_response(400, error_body(f"{loc or 'body'}: {first['msg']}",
                                           "invalid_request_error", param=loc or None))
 

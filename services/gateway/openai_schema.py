@@ -10,11 +10,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.gateway.validation import InferenceRequest, Message, Sampling
+from services.gateway.validation import CHAT_ROLES, InferenceRequest, Message, Sampling
 from tokenserve.runtime.errors import InvalidArgument
 
 # OpenAI's newer name for the system role.
 _ROLE_ALIASES = {"developer": "system"}
+Role = Literal[CHAT_ROLES + tuple(_ROLE_ALIASES)]  # type: ignore[valid-type]
 
 
 class _Body(BaseModel):
@@ -29,7 +30,7 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: str = Field(description="system (or developer), user or assistant")
+    role: Role
     content: str | list[TextPart] | None = Field(
         None, description="the text, or a list of text parts (joined)")
     name: str | None = None
