@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -177,3 +178,22 @@ def test_the_node_grpc_client_streams_a_chat(suite, key):
     assert "Paris" in out["text"]
     assert out["finishReason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
     assert out["usage"]["completion_tokens"] >= 1 and out["requestId"]
+
+
+def test_readme_python_examples_run(suite, key):
+    text = (ROOT / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    assert len(blocks) == 3
+    env = {**os.environ, "TOKENSERVE_GATEWAY": suite.address("gateway"),
+           "TOKENSERVE_API_KEY": key, "OPENAI_BASE_URL": suite.http_url, "OPENAI_API_KEY": key}
+    outputs = []
+    for block in blocks:
+        proc = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
+                              timeout=180, env=env, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        outputs.append(proc.stdout)
+    openai_example, sdk_example, errors_example = outputs
+    assert "Paris" in openai_example and "prompt tokens cached" in openai_example
+    assert "completion_tokens=" in sdk_example
+    assert "Paris" in errors_example
+    assert "fix the request: max_tokens must be >= 1" in errors_example
