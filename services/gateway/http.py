@@ -143,8 +143,11 @@ class HttpFront:
     async def start(self) -> int:
         """Binds (OSError when the port is taken) and serves in the running loop."""
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP: asyncio turns Nagle off only on sockets that name it, and with
+        # Nagle on, each SSE event after the first waits for the client's delayed ACK (40 ms).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.bind((self._host, self._port))
         except OSError:
