@@ -124,8 +124,9 @@ class _Call:
 
 class HttpFront:
     def __init__(self, pipeline: Pipeline, default_timeout: float, *, host: str, port: int,
-                 grace_seconds: float = 5.0):
+                 grace_seconds: float = 5.0, max_body_bytes: int = 16 * 1024 * 1024):
         self._pipeline = pipeline
+        self._max_body = max_body_bytes
         self._default_timeout = default_timeout
         self._host, self._port, self._grace = host, port, grace_seconds
         self._openapi = openapi_document("tokenserve OpenAI-compatible API", "1")
@@ -215,8 +216,13 @@ class HttpFront:
         try:
             caller = self._caller(request)
             tier = caller.tier
+            raw = await _read_body(request, self._max_body)
+            if raw is None:
+                metrics.REQUESTS.labels(method, tier, "INVALID_ARGUMENT").inc()
+                return _json_response(413, error_body(
+                    f"the request body is over {self._max_body} bytes", "invalid_request_error"))
             try:
-                body = model.model_validate_json(await request.body())
+                body = model.model_validate_json(raw)
             except ValidationError as e:
                 metrics.REQUESTS.labels(method, tier, "INVALID_ARGUMENT").inc()
                 return _bad_body(e)
@@ -331,6 +337,20 @@ class HttpFront:
         # Type only: the exception text may quote request content.
         log.error("http_unhandled_exception", path=request.url.path, exc_type=type(exc).__name__)
         return _json_response(500, error_body("internal error", "server_error"))
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The body, or None when it is longer than `limit` bytes (read no further)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        return None
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            return None
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _encode(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:

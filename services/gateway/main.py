@@ -101,7 +101,8 @@ def build(config: GatewayConfig,
     http = None
     if config.http_port is not None:
         http = HttpFront(pipeline, config.request_timeout_seconds, host=config.host,
-                         port=config.http_port, grace_seconds=options.grace_seconds)
+                         port=config.http_port, grace_seconds=options.grace_seconds,
+                         max_body_bytes=options.max_message_bytes)
     server = GrpcServer(
         "gateway",
         [Registration(SERVICE_NAME, gateway_pb2_grpc.add_InferenceServiceServicer_to_server,

@@ -101,7 +101,8 @@ def _sampling(body: _Generation) -> Sampling:
 def chat_request(body: ChatCompletionRequest, *, default_max_tokens: int,
                  request_id: str) -> InferenceRequest:
     _check_n(body.n)
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    max_tokens = (body.max_tokens if body.max_completion_tokens is None
+                  else body.max_completion_tokens)
     messages = tuple(Message(role=_ROLE_ALIASES.get(m.role, m.role), content=_content(m))
                      for m in body.messages)
     top = body.top_logprobs or 0
@@ -170,6 +171,7 @@ _ERRORS = {"400": "a field is missing, malformed or out of range (`param` names 
            "401": "missing, unknown or revoked API key",
            "403": "the key's tenant is disabled",
            "404": "unknown model",
+           "413": "the request body is over the gateway's message size limit (16 MiB)",
            "429": "a rate limit, quota or load shedding; see Retry-After",
            "503": "no engine can take the request now",
            "504": "the request ran past its deadline"}

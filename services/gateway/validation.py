@@ -82,6 +82,8 @@ def check_sampling(s: Sampling) -> None:
         v = getattr(s, name)
         if v is not None and not -2 <= v <= 2:
             raise InvalidArgument(f"{name} must be in [-2, 2], got {v}")
+    if s.seed is not None and not 0 <= s.seed < 2 ** 64:
+        raise InvalidArgument(f"seed must be in 0..2^64-1, got {s.seed}")
 
 
 def check_max_tokens(max_tokens: int, tier_cap: int, tier: str) -> None:

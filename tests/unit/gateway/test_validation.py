@@ -36,6 +36,8 @@ def test_good_requests_get_a_request_id():
     ({"sampling": Sampling(min_p=2.0)}, "min_p"),
     ({"sampling": Sampling(repetition_penalty=0.0)}, "repetition_penalty"),
     ({"sampling": Sampling(presence_penalty=3.0)}, "presence_penalty"),
+    ({"sampling": Sampling(seed=-1)}, "seed"),
+    ({"sampling": Sampling(seed=2 ** 64)}, "seed"),
     ({"stop": tuple("abcdefghi")}, "at most 8"),
     ({"stop": ("",)}, r"stop\[0\]"),
     ({"top_logprobs": 21}, "top_logprobs"),
