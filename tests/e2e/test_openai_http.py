@@ -18,7 +18,7 @@ import grpc
 import openai
 import pytest
 
-from controlplane.launcher import Suite, SuitePorts
+from controlplane.launcher import Suite, SuitePorts, curl_command
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -122,6 +122,15 @@ def test_text_completion_with_logprobs(client):
     lp = resp.choices[0].logprobs
     assert "".join(lp.tokens) == resp.choices[0].text
     assert lp.text_offset[0] == 0 and len(lp.token_logprobs) == resp.usage.completion_tokens
+
+
+def test_the_curl_line_tokenserve_up_prints_works(suite, key):
+    assert shutil.which("curl"), "curl is not installed"
+    proc = subprocess.run(curl_command(key, suite.http_url) + " --silent --show-error",
+                          shell=True, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    resp = json.loads(proc.stdout)
+    assert "Paris" in resp["choices"][0]["message"]["content"]
 
 
 def test_errors_are_typed(suite, client):
