@@ -4,6 +4,7 @@ schemathesis run against the OpenAPI document the gateway serves."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -14,7 +15,7 @@ import openai
 import pytest
 
 from controlplane.schema import Tenant
-from tests.integration.gateway.conftest import FREE_MAX_TOKENS
+from tests.integration.gateway.conftest import FREE_MAX_TOKENS, start_gateway
 from tests.integration.gateway.fakes import MODEL
 from tests.integration.gateway.test_gateway_with_fakes import meter_rows, wait_for
 
@@ -156,3 +157,21 @@ def test_schemathesis_finds_no_server_error(gateway, key, tmp_path):
          "--request-timeout", "20", "--report-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_sigterm_lets_a_running_http_stream_finish(workdir, control, key, tokenizer, engine,
+                                                   meter):
+    gw = start_gateway(workdir, control.endpoint, tokenizer.target, meter.target,
+                       [engine.target], name="gateway-http-stop")
+    engine.servicer.delay, delay = 0.2, engine.servicer.delay
+    try:
+        with openai.OpenAI(base_url=gw.http_url, api_key=key, max_retries=0) as c:
+            stream = c.completions.create(model=MODEL, prompt="go", max_tokens=8, stream=True)
+            parts = [next(iter(stream)).choices[0].text]
+            gw.proc.proc.send_signal(signal.SIGTERM)  # 7 tokens (1.4 s) left, 5 s of grace
+            parts += [p.choices[0].text for p in stream]
+    finally:
+        engine.servicer.delay = delay
+        code = gw.stop()
+    assert "".join(parts) == "".join(f"w{i} " for i in range(8))
+    assert code == 0
