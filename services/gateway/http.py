@@ -282,14 +282,17 @@ class HttpFront:
             return
         await send({"type": "http.response.start", "status": 200,
                     "headers": _SSE + call.headers})
-        offset, last = 0, None
+        offset, last, reply = 0, None, call.reply
         try:
             async for chunk in self._rest(call, first):
-                lp = await self._logprobs(call, chunk, offset)
+                lp = await self._logprobs(call, chunk, offset) if call.req.logprobs else None
                 offset += len(chunk.text)
-                obj = call.reply.chunk(chunk, first=last is None, logprobs=lp,
-                                       with_usage_field=include_usage)
-                await send({"type": "http.response.body", "body": sse(obj), "more_body": True})
+                if last is None or lp is not None or chunk.finish_reason:
+                    event = sse(reply.chunk(chunk, first=last is None, logprobs=lp,
+                                            with_usage_field=include_usage))
+                else:  # the common case, once per token
+                    event = reply.text_event(chunk.text, with_usage_field=include_usage)
+                await send({"type": "http.response.body", "body": event, "more_body": True})
                 last = chunk
         except ServiceError as e:
             # The status line is sent: the error travels as an event (OpenAI's SDKs raise it).

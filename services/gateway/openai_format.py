@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import grpc
@@ -146,6 +146,8 @@ class Reply:
     created: int
     model: str
     chat: bool
+    # (prefix, suffix) of a middle chunk's event, around its JSON-encoded text.
+    _middle: tuple[bytes, bytes] | None = field(default=None, compare=False, repr=False)
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -179,6 +181,18 @@ class Reply:
         if with_usage_field:
             out["usage"] = None
         return out
+
+    def text_event(self, text: str, *, with_usage_field: bool) -> bytes:
+        """The SSE event of a middle chunk (text only): `chunk(...)` serialized, built from a
+        prefix and suffix made once per response (a third of the cost per token)."""
+        if self._middle is None:
+            marker = "\x00"
+            probe = sse(self.chunk(Chunk(text=marker, token_ids=[], request_id=""), first=False,
+                                   logprobs=None, with_usage_field=with_usage_field))
+            head, _, tail = probe.partition(json.dumps(marker).encode())
+            object.__setattr__(self, "_middle", (head, tail))
+        head, tail = self._middle
+        return head + json.dumps(text).encode() + tail
 
     def usage_chunk(self, last: Chunk) -> dict[str, Any]:
         out = self._base("chat.completion.chunk" if self.chat else "text_completion")

@@ -54,3 +54,16 @@ def test_unreadable_retry_after_is_left_out():
 ])
 def test_param_names_the_public_field(message, fields, param):
     assert param_of(message, fields) == param
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("with_usage_field", [True, False])
+def test_the_prebuilt_text_event_is_the_chunk_serialized(chat, with_usage_field):
+    from services.gateway.inference import Chunk
+    from services.gateway.openai_format import Reply, sse
+
+    reply = Reply("chatcmpl-r", 1700000000, "m", chat)
+    for text in (" Paris", 'quote " backslash \\ newline \n é 中', ""):
+        chunk = Chunk(text=text, token_ids=[1], request_id="")
+        assert reply.text_event(text, with_usage_field=with_usage_field) == sse(
+            reply.chunk(chunk, first=False, logprobs=None, with_usage_field=with_usage_field))
