@@ -2,7 +2,7 @@
 
 Starts a local etcd, seeds the default configuration, starts every service as its own
 process by module name (never by importing it), waits for each to report SERVING, issues a
-demo API key and prints a ready grpcurl command. Ctrl-C (or SIGTERM) stops the services in
+demo API key and prints ready grpcurl and curl commands. Ctrl-C (or SIGTERM) stops the services in
 reverse order, gracefully, then etcd.
 
 `Suite` is the same thing as a library, used by the end-to-end tests with ephemeral ports.
@@ -39,6 +39,7 @@ SERVICES = ("meter", "tokenizer", "engine", "gateway")
 @dataclass(frozen=True)
 class SuitePorts:
     gateway: int = 50051
+    gateway_http: int = 8080
     tokenizer: int = 50052
     engine: int = 50053
     meter: int = 50054
@@ -70,6 +71,11 @@ class Suite:
 
     def address(self, service: str) -> str:
         return f"127.0.0.1:{getattr(self.ports, service)}"
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the gateway's OpenAI-compatible API (ends in /v1)."""
+        return f"http://127.0.0.1:{self.ports.gateway_http}/v1"
 
     # -- start ---------------------------------------------------------------------------
     def start(self, timeout: float = 300.0) -> None:
@@ -137,7 +143,8 @@ class Suite:
                     "--meter", self.address("meter"),
                     "--spool", str(self.data_dir / "engine-spool.db"), *self.engine_args]
         if name == "gateway":
-            return ["--port", str(p.gateway), "--metrics-port", str(p.gateway_metrics), *etcd,
+            return ["--port", str(p.gateway), "--metrics-port", str(p.gateway_metrics),
+                    "--http-port", str(p.gateway_http), *etcd,
                     "--tokenizer", self.address("tokenizer"), "--meter", self.address("meter"),
                     "--snapshot", str(self.data_dir / "gateway-config.json"),
                     "--spool", str(self.data_dir / "gateway-spool.db")]
@@ -203,6 +210,13 @@ def grpcurl_command(key: str, gateway: str) -> str:
             f"{gateway} tokenserve.gateway.v1.InferenceService/Chat")
 
 
+def curl_command(key: str, base_url: str) -> str:
+    body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 32})
+    return (f"curl {base_url}/chat/completions -H 'authorization: Bearer {key}'"
+            f" -H 'content-type: application/json' -d '{body}'")
+
+
 def _up(args) -> int:
     data_dir = Path(args.data_dir).resolve()
     ports = SuitePorts.ephemeral() if args.ephemeral_ports else SuitePorts()
@@ -221,6 +235,8 @@ def _up(args) -> int:
         print(f"\ntokenserve is up. Gateway: {suite.address('gateway')}  etcd: {suite.etcd_endpoint}")
         print(f"Demo tenant '{DEMO_TENANT}' ({DEMO_TIER} tier) API key (shown once):\n  {key}\n")
         print("Try it:\n  " + grpcurl_command(key, suite.address("gateway")) + "\n")
+        print(f"OpenAI-compatible HTTP API: {suite.http_url}\n  "
+              + curl_command(key, suite.http_url) + "\n")
         print("Admin: tsctl --endpoints " + suite.etcd_endpoint + " status\nPress Ctrl-C to stop.",
               flush=True)
         while True:

@@ -2,100 +2,49 @@
 
     from tokenserve.client import Client
 
-    with Client("127.0.0.1:50051", api_key="ts-...") as client:
+    with Client() as client:     # TOKENSERVE_GATEWAY (127.0.0.1:50051), TOKENSERVE_API_KEY
         for chunk in client.chat([{"role": "user", "content": "Hi!"}], max_tokens=32):
             print(chunk.text, end="", flush=True)
         text, usage = client.generate_text("Once upon a time", max_tokens=16, temperature=0.7)
 
 `AsyncClient` has the same methods as coroutines / async iterators. Every failure raises a
 `TokenserveError` subclass carrying the gRPC status code, the server's message and, for
-limits, `retry_after` in seconds. Leaving a stream early cancels the request on the server.
+limits, `retry_after` in seconds and the `limit` hit. A call refused with UNAVAILABLE or
+RESOURCE_EXHAUSTED before its first token is retried (`RetryPolicy`: the server's
+retry-after, capped). Leaving a stream early cancels the request on the server.
 """
 from __future__ import annotations
 
+import asyncio
+import os
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 
+from tokenserve.client_errors import (AuthenticationError, DeadlineExceededError,
+                                      InvalidRequestError, NotFoundError, PermissionDeniedError,
+                                      RateLimitError, RetryPolicy, TokenserveError,
+                                      UnavailableError, error_from_rpc)
 from tokenserve.common.v1 import common_pb2
 from tokenserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-__all__ = ["Client", "AsyncClient", "Chunk", "Usage", "ModelInfo", "TokenserveError",
-           "AuthenticationError", "PermissionDeniedError", "InvalidRequestError",
-           "NotFoundError", "RateLimitError", "UnavailableError", "DeadlineExceededError"]
+__all__ = ["Client", "AsyncClient", "Chunk", "Usage", "ModelInfo", "RetryPolicy",
+           "TokenserveError", "AuthenticationError", "PermissionDeniedError",
+           "InvalidRequestError", "NotFoundError", "RateLimitError", "UnavailableError",
+           "DeadlineExceededError"]
 
 DEFAULT_MAX_TOKENS = 128
+DEFAULT_GATEWAY = "127.0.0.1:50051"
+# Where Client() finds its gateway and key when none is passed.
+GATEWAY_ENV, API_KEY_ENV = "TOKENSERVE_GATEWAY", "TOKENSERVE_API_KEY"
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty",
              "presence_penalty", "frequency_penalty")
 _TOP_LEVEL = ("temperature", "top_p", "top_k", "seed")
 _OPTIONS = ("stop", "request_id", "app", "logprobs", "top_logprobs")
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
            common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_ERROR: "error"}
-
-
-# -- errors -------------------------------------------------------------------------------
-
-class TokenserveError(Exception):
-    """A failed call: `code` (grpc.StatusCode), `message`, `retry_after` (seconds or None)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float | None = None):
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-        self.retry_after = retry_after
-
-
-class AuthenticationError(TokenserveError):
-    """Missing, unknown or revoked API key (UNAUTHENTICATED)."""
-
-
-class PermissionDeniedError(TokenserveError):
-    """The key is valid but may not do this, e.g. its tenant is disabled (PERMISSION_DENIED)."""
-
-
-class InvalidRequestError(TokenserveError):
-    """A field is out of range; the message names it (INVALID_ARGUMENT)."""
-
-
-class NotFoundError(TokenserveError):
-    """Unknown model; the message lists the available ones (NOT_FOUND)."""
-
-
-class RateLimitError(TokenserveError):
-    """A limit or quota was hit; wait `retry_after` seconds (RESOURCE_EXHAUSTED)."""
-
-
-class UnavailableError(TokenserveError):
-    """No engine or service could take the request now; retrying later may work."""
-
-
-class DeadlineExceededError(TokenserveError):
-    """The call ran past its timeout."""
-
-
-_ERRORS = {
-    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
-    grpc.StatusCode.NOT_FOUND: NotFoundError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: RateLimitError,
-    grpc.StatusCode.UNAVAILABLE: UnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-}
-
-
-def _error(err: grpc.RpcError) -> TokenserveError:
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = (err.details() if hasattr(err, "details") else None) or code.name
-    retry_after = None
-    try:
-        trailing = dict(err.trailing_metadata() or ())
-        if "retry-after-ms" in trailing:
-            retry_after = float(trailing["retry-after-ms"]) / 1000
-    except (AttributeError, TypeError, ValueError):
-        pass
-    return _ERRORS.get(code, TokenserveError)(code, details, retry_after)
 
 
 # -- results ------------------------------------------------------------------------------
@@ -200,17 +149,36 @@ def _collect(chunks: Sequence[Chunk]) -> tuple[str, Usage]:
 
 # -- clients ------------------------------------------------------------------------------
 
-class Client:
-    """Blocking client. `timeout` (seconds) is the deadline of each call; `model` the
-    default model ("" lets the gateway choose)."""
+def _left(deadline: float) -> float:
+    """Seconds until `deadline` (a tiny positive number once past: grpc then reports
+    DEADLINE_EXCEEDED itself)."""
+    return max(0.001, deadline - time.monotonic())
 
-    def __init__(self, target: str, api_key: str, timeout: float = 30.0, *, model: str = "",
-                 channel: grpc.Channel | None = None):
+
+def _connection(target: str | None, api_key: str | None) -> tuple[str, tuple]:
+    """The gateway address and the call metadata, from the arguments or the environment."""
+    key = api_key or os.environ.get(API_KEY_ENV)
+    if not key:
+        raise ValueError(f"no API key: pass api_key= or set {API_KEY_ENV}")
+    return (target or os.environ.get(GATEWAY_ENV) or DEFAULT_GATEWAY,
+            (("authorization", f"Bearer {key}"),))
+
+
+class Client:
+    """Blocking client. `target` and `api_key` default to $TOKENSERVE_GATEWAY (else
+    127.0.0.1:50051) and $TOKENSERVE_API_KEY; `timeout` (seconds) is the deadline of each call,
+    retries included; `model` the default model ("" lets the gateway choose); `retry` when
+    and how often a refused call is tried again."""
+
+    def __init__(self, target: str | None = None, api_key: str | None = None,
+                 timeout: float = 30.0, *, model: str = "", channel: grpc.Channel | None = None,
+                 retry: RetryPolicy | None = None):
+        target, self._metadata = _connection(target, api_key)
         self._channel = channel or grpc.insecure_channel(target)
         self._stub = gateway_pb2_grpc.InferenceServiceStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {api_key}"),)
         self.timeout = timeout
         self.model = model
+        self.retry = retry or RetryPolicy()
 
     def __enter__(self) -> "Client":
         return self
@@ -222,20 +190,35 @@ class Client:
         self._channel.close()
 
     def _stream(self, method, req) -> Iterator[Chunk]:
-        call = method(req, metadata=self._metadata, timeout=self.timeout)
-        try:
-            for resp in call:
-                yield _chunk(resp)
-        except grpc.RpcError as e:
-            raise _error(e) from None
-        finally:
-            call.cancel()  # no-op when finished; stops the server's work when left early
+        deadline, attempt = time.monotonic() + self.timeout, 0
+        while True:
+            call = method(req, metadata=self._metadata, timeout=_left(deadline))
+            started = False
+            try:
+                for resp in call:
+                    started = True
+                    yield _chunk(resp)
+                return
+            except grpc.RpcError as e:
+                err, attempt = error_from_rpc(e), attempt + 1
+                wait = None if started else self.retry.wait(err, attempt, _left(deadline))
+                if wait is None:
+                    raise err from None
+            finally:
+                call.cancel()  # no-op when finished; stops the server's work when left early
+            time.sleep(wait)
 
     def _unary(self, method, req):
-        try:
-            return method(req, metadata=self._metadata, timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise _error(e) from None
+        deadline, attempt = time.monotonic() + self.timeout, 0
+        while True:
+            try:
+                return method(req, metadata=self._metadata, timeout=_left(deadline))
+            except grpc.RpcError as e:
+                err, attempt = error_from_rpc(e), attempt + 1
+                wait = self.retry.wait(err, attempt, _left(deadline))
+                if wait is None:
+                    raise err from None
+            time.sleep(wait)
 
     def generate(self, prompt: str, *, model: str | None = None,
                  max_tokens: int = DEFAULT_MAX_TOKENS, **options) -> Iterator[Chunk]:
@@ -270,15 +253,18 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client with the same methods as `Client` (streams are async iterators)."""
+    """asyncio client with the same arguments and methods as `Client` (streams are async
+    iterators)."""
 
-    def __init__(self, target: str, api_key: str, timeout: float = 30.0, *, model: str = "",
-                 channel: grpc.aio.Channel | None = None):
+    def __init__(self, target: str | None = None, api_key: str | None = None,
+                 timeout: float = 30.0, *, model: str = "",
+                 channel: grpc.aio.Channel | None = None, retry: RetryPolicy | None = None):
+        target, self._metadata = _connection(target, api_key)
         self._channel = channel or grpc.aio.insecure_channel(target)
         self._stub = gateway_pb2_grpc.InferenceServiceStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {api_key}"),)
         self.timeout = timeout
         self.model = model
+        self.retry = retry or RetryPolicy()
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -290,20 +276,35 @@ class AsyncClient:
         await self._channel.close()
 
     async def _stream(self, method, req) -> AsyncIterator[Chunk]:
-        call = method(req, metadata=self._metadata, timeout=self.timeout)
-        try:
-            async for resp in call:
-                yield _chunk(resp)
-        except grpc.RpcError as e:
-            raise _error(e) from None
-        finally:
-            call.cancel()
+        deadline, attempt = time.monotonic() + self.timeout, 0
+        while True:
+            call = method(req, metadata=self._metadata, timeout=_left(deadline))
+            started = False
+            try:
+                async for resp in call:
+                    started = True
+                    yield _chunk(resp)
+                return
+            except grpc.RpcError as e:
+                err, attempt = error_from_rpc(e), attempt + 1
+                wait = None if started else self.retry.wait(err, attempt, _left(deadline))
+                if wait is None:
+                    raise err from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(wait)
 
     async def _unary(self, method, req):
-        try:
-            return await method(req, metadata=self._metadata, timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise _error(e) from None
+        deadline, attempt = time.monotonic() + self.timeout, 0
+        while True:
+            try:
+                return await method(req, metadata=self._metadata, timeout=_left(deadline))
+            except grpc.RpcError as e:
+                err, attempt = error_from_rpc(e), attempt + 1
+                wait = self.retry.wait(err, attempt, _left(deadline))
+                if wait is None:
+                    raise err from None
+            await asyncio.sleep(wait)
 
     def generate(self, prompt: str, *, model: str | None = None,
                  max_tokens: int = DEFAULT_MAX_TOKENS, **options) -> AsyncIterator[Chunk]:

@@ -71,6 +71,8 @@ def check_sampling(p: SamplingParams) -> None:
         if not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
             raise InvalidArgument(
                 f"{name} must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {v}")
+    if p.seed is not None and not 0 <= p.seed < 2 ** 64:
+        raise InvalidArgument(f"seed must be in 0..2^64-1, got {p.seed}")
 
 
 def check_stop(stop: Sequence[str]) -> None:

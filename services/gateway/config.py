@@ -35,6 +35,8 @@ class GatewayConfig:
     port: int = 50051
     # None: no /metrics endpoint; 0: any free port.
     metrics_port: int | None = 9101
+    # The OpenAI-compatible HTTP front. None: off; 0: any free port.
+    http_port: int | None = 8080
     etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
     tokenizer: str = "127.0.0.1:50052"
     meter: str = "127.0.0.1:50054"
@@ -65,6 +67,8 @@ class GatewayConfig:
 
     def __post_init__(self):
         check_ports(self.port, self.metrics_port)
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in 0..65535, got {self.http_port}")
         check_endpoint("--tokenizer", self.tokenizer)
         check_endpoint("--meter", self.meter)
         for ep in self.etcd_endpoints:

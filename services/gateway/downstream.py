@@ -67,6 +67,17 @@ class TokenizerClient:
             raise from_rpc_error(e, context="tokenizer") from None
         return resp.count
 
+    async def token_texts(self, model: str, token_ids: Sequence[int],
+                          timeout: float) -> dict[int, str]:
+        """Each id's own text (for logprobs), special tokens included."""
+        req = tokenizer_pb2.DecodeBatchRequest(model=model, requests=[
+            tokenizer_pb2.DecodeRequest(model=model, token_ids=[i]) for i in token_ids])
+        try:
+            resp = await self._stub.DecodeBatch(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, context="tokenizer") from None
+        return {i: r.text for i, r in zip(token_ids, resp.results)}
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"

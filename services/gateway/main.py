@@ -1,6 +1,7 @@
-"""`python -m services.gateway --port 50051 --metrics-port 9101 --etcd-endpoints 127.0.0.1:2379
---tokenizer 127.0.0.1:50052 --meter 127.0.0.1:50054 [--engine model=version=host:port ...]
---snapshot var/gateway-config.json --spool var/gateway-spool.db`"""
+"""`python -m services.gateway --port 50051 --http-port 8080 --metrics-port 9101
+--etcd-endpoints 127.0.0.1:2379 --tokenizer 127.0.0.1:50052 --meter 127.0.0.1:50054
+[--engine model=version=host:port ...] --snapshot var/gateway-config.json
+--spool var/gateway-spool.db`"""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,7 @@ from controlplane.watcher import ConfigWatcher
 from services.gateway import metrics
 from services.gateway.config import GatewayConfig, StaticEngine
 from services.gateway.downstream import Channels, EngineClient, MeterClient, TokenizerClient
+from services.gateway.http import HttpFront
 from services.gateway.inference import ConfigSource, Pipeline
 from services.gateway.quota_store import (MemoryQuotaStore, NoQuotaStore, QuotaStore,
                                           RedisQuotaStore)
@@ -36,8 +38,11 @@ log = structlog.get_logger(component="gateway")
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p = argparse.ArgumentParser(prog="python -m services.gateway",
-                                description="tokenserve public API (gRPC InferenceService)")
+                                description="tokenserve public API (gRPC InferenceService and an"
+                                            " OpenAI-compatible HTTP API)")
     add_server_args(p, port=50051, metrics_port=9101)
+    p.add_argument("--http-port", type=int, default=GatewayConfig.http_port,
+                   help="OpenAI-compatible HTTP API port; -1 disables it, 0 picks a free one")
     p.add_argument("--etcd-endpoints", default="127.0.0.1:2379",
                    help="comma-separated host:port list")
     p.add_argument("--tokenizer", default="127.0.0.1:50052")
@@ -65,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     try:
         return GatewayConfig(
             host=a.host, port=a.port, metrics_port=a.metrics_port,
+            http_port=None if a.http_port < 0 else a.http_port,
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
             tokenizer=a.tokenizer, meter=a.meter,
             engines=tuple(StaticEngine.parse(e) for e in a.engine),
@@ -87,9 +93,12 @@ def quota_store(config: GatewayConfig, source: ConfigSource) -> QuotaStore:
                            live_gateways=lambda: len(source.snapshot.gateways))
 
 
-def build(config: GatewayConfig, source: ConfigSource) -> tuple[GrpcServer, SpoolSender]:
-    """The server and its usage sender, wired to `source` (a started ConfigWatcher, or any
-    holder of a snapshot). Start the sender once the loop runs; stopping the server flushes it."""
+def build(config: GatewayConfig,
+          source: ConfigSource) -> tuple[GrpcServer, SpoolSender, HttpFront | None]:
+    """The gRPC server, its usage sender and the HTTP front (None when off), wired to `source`
+    (a started ConfigWatcher, or any holder of a snapshot) and one pipeline. Start the sender
+    and the HTTP front once the loop runs; stopping the server stops the HTTP front first,
+    then flushes the sender."""
     spool = UsageSpool(config.spool_path, config.spool_durability)
     metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
     meter_channel, tokenizer_channel = aio_channel(config.meter), aio_channel(config.tokenizer)
@@ -113,13 +122,18 @@ def build(config: GatewayConfig, source: ConfigSource) -> tuple[GrpcServer, Spoo
         await meter_channel.close()
         await tokenizer_channel.close()
 
+    options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port)
+    http = None
+    if config.http_port is not None:
+        http = HttpFront(pipeline, config.request_timeout_seconds, host=config.host,
+                         port=config.http_port, grace_seconds=options.grace_seconds,
+                         max_body_bytes=options.max_message_bytes)
     server = GrpcServer(
         "gateway",
         [Registration(SERVICE_NAME, gateway_pb2_grpc.add_InferenceServiceServicer_to_server,
                       InferenceServicer(pipeline, config.request_timeout_seconds, meter))],
-        ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port),
-        on_stop=[close_all])
-    return server, sender
+        options, on_stop=([http.stop] if http else []) + [close_all])
+    return server, sender, http
 
 
 async def _register_when_possible(config: GatewayConfig, port: int):
@@ -134,7 +148,9 @@ async def serve(config: GatewayConfig):
     watcher = ConfigWatcher(list(config.etcd_endpoints), snapshot_path=Path(config.snapshot_path),
                             service="gateway")
     await watcher.start()
-    server, sender = build(config, watcher)
+    server, sender, http = build(config, watcher)
+    if http is not None:
+        await http.start()  # listening before health says SERVING
     port = await server.start()
     sender.start()
     registering = asyncio.create_task(_register_when_possible(config, port))

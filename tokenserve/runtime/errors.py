@@ -11,6 +11,13 @@ import math
 
 import grpc
 
+# Metadata keys of a RESOURCE_EXHAUSTED refusal: milliseconds to wait, the limit that was hit
+# (rps, tpm, daily, concurrency, degraded), and `limit-<what>` facts about it (e.g.
+# `limit-remaining`). The SDK and the HTTP front read them from here.
+RETRY_AFTER_MS = "retry-after-ms"
+LIMIT = "limit"
+LIMIT_PREFIX = "limit-"
+
 
 class ServiceError(Exception):
     """Base of every error a caller should see with a precise status."""
@@ -70,13 +77,13 @@ class ResourceExhausted(ServiceError):
                  limit: str | None = None, remaining: int | None = None):
         md: list[tuple[str, str]] = []
         if retry_after is not None:
-            md.append(("retry-after-ms", str(max(0, math.ceil(retry_after * 1000)))))
+            md.append((RETRY_AFTER_MS, str(max(0, math.ceil(retry_after * 1000)))))
         elif limit is not None:
-            md.append(("retry-after-ms", "unknown"))
+            md.append((RETRY_AFTER_MS, "unknown"))
         if limit is not None:
-            md.append(("limit", limit))
+            md.append((LIMIT, limit))
         if remaining is not None:
-            md.append(("limit-remaining", str(remaining)))
+            md.append((LIMIT_PREFIX + "remaining", str(remaining)))
         super().__init__(message, metadata=tuple(md))
         self.retry_after = retry_after
         self.limit = limit
@@ -86,7 +93,7 @@ class ResourceExhausted(ServiceError):
 def retry_after_seconds(metadata) -> float | None:
     """`retry-after-ms` of a status's trailing metadata in seconds; None when absent or not a
     number ("unknown")."""
-    value = dict(metadata or ()).get("retry-after-ms")
+    value = dict(metadata or ()).get(RETRY_AFTER_MS)
     try:
         return float(value) / 1000 if value is not None else None
     except ValueError:
@@ -110,6 +117,6 @@ def from_rpc_error(err: grpc.RpcError, *, context: str = "") -> ServiceError:
             return cls(message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         md = (err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else ()
-        limit = dict(md).get("limit")
+        limit = dict(md).get(LIMIT)
         return ResourceExhausted(message, retry_after=retry_after_seconds(md), limit=limit)
     return Unavailable(message or f"downstream call failed with {code.name}")

@@ -67,11 +67,17 @@ class Gateway:
     proc: ServiceProcess
     metrics_port: int
     spool: Path
+    http_port: int
     channels: list = field(default_factory=list)
 
     @property
     def target(self) -> str:
         return self.proc.target
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL (what `openai.OpenAI(base_url=...)` takes)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     def stub(self) -> gateway_pb2_grpc.InferenceServiceStub:
         ch = grpc.insecure_channel(self.target)
@@ -86,8 +92,8 @@ class Gateway:
 
 def start_gateway(tmp: Path, etcd_endpoint: str, tokenizer: str, meter: str,
                   engines: list[str], name: str = "gateway", extra_args=()) -> Gateway:
-    port, metrics_port = free_port(), free_port()
-    args = ["--port", str(port), "--metrics-port", str(metrics_port),
+    port, metrics_port, http_port = free_port(), free_port(), free_port()
+    args = ["--port", str(port), "--metrics-port", str(metrics_port), "--http-port", str(http_port),
             "--etcd-endpoints", etcd_endpoint, "--tokenizer", tokenizer, "--meter", meter,
             "--snapshot", str(tmp / f"{name}-config.json"), "--spool", str(tmp / f"{name}.db"),
             "--default-model", MODEL, "--request-timeout", "20"]
@@ -95,7 +101,7 @@ def start_gateway(tmp: Path, etcd_endpoint: str, tokenizer: str, meter: str,
         args += ["--engine", f"{MODEL}=v1={e}"]
     args += list(extra_args)
     proc = ServiceProcess("services.gateway", args, port, log_path=tmp / f"{name}.log").start()
-    return Gateway(proc, metrics_port, tmp / f"{name}.db")
+    return Gateway(proc, metrics_port, tmp / f"{name}.db", http_port)
 
 
 @pytest.fixture(scope="module")

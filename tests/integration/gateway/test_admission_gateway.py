@@ -11,7 +11,7 @@ import pytest
 
 from controlplane.schema import Tenant, Tier
 from tests.integration.gateway.conftest import start_gateway
-from tests.integration.gateway.fakes import fake_engine
+from tests.integration.gateway.fakes import MODEL, fake_engine
 from tests.redis_fixture import redis_server  # noqa: F401  (pytest fixture)
 from tokenserve.gateway.v1 import gateway_pb2 as pb
 from tokenserve.meter.v1 import meter_pb2
@@ -231,3 +231,20 @@ def test_work_an_engine_refused_is_never_billed(workdir, control, gateway, token
         gw2.stop()
         refusing.stop()
         good.stop()
+
+
+def test_over_http_limits_are_429s_with_retry_after_and_quota_headers(gateway, control):
+    """The same admission through the OpenAI front, as the `openai` package reports it."""
+    import openai
+    key = tenant_on(control, gateway, "http-rps", requests_per_second=1, tokens_per_minute=600)
+    with openai.OpenAI(base_url=gateway.http_url, api_key=key, max_retries=0, timeout=30) as c:
+        ok = c.completions.with_raw_response.create(model=MODEL, prompt="w w w", max_tokens=5)
+        assert ok.headers["x-ratelimit-limit-tokens"] == "600"
+        assert int(ok.headers["x-ratelimit-remaining-tokens"]) <= 600 - 8
+        with pytest.raises(openai.RateLimitError) as refused:
+            c.completions.create(model=MODEL, prompt="w w w", max_tokens=5)
+    err = refused.value
+    assert err.status_code == 429 and err.code == "rps"
+    assert "requests/second" in err.message
+    retry = int(err.response.headers["retry-after-ms"])
+    assert 0 < retry <= 1000 and int(err.response.headers["retry-after"]) == 1

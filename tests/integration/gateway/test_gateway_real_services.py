@@ -57,7 +57,7 @@ def suite(tmp_path_factory, etcd_session):
             "--etcd-endpoints", etcd_session.endpoint], ports["engine"],
             log_path=tmp / "engine.log"),
         "gateway": ServiceProcess("services.gateway", [
-            "--port", str(ports["gateway"]), "--metrics-port", "-1",
+            "--port", str(ports["gateway"]), "--metrics-port", "-1", "--http-port", "-1",
             "--etcd-endpoints", etcd_session.endpoint,
             "--tokenizer", f"127.0.0.1:{ports['tokenizer']}",
             "--meter", f"127.0.0.1:{ports['meter']}",

@@ -261,7 +261,7 @@ def test_spooled_usage_survives_a_crash_and_reaches_the_meter_later(workdir, con
 def test_gateway_refuses_to_start_without_etcd_or_a_snapshot(workdir, tokenizer, meter):
     port = free_port()
     proc = ServiceProcess("services.gateway", [
-        "--port", str(port), "--metrics-port", "-1", "--etcd-endpoints",
+        "--port", str(port), "--metrics-port", "-1", "--http-port", "-1", "--etcd-endpoints",
         f"127.0.0.1:{free_port()}", "--tokenizer", tokenizer.target, "--meter", meter.target,
         "--snapshot", str(workdir / "never-written.json"), "--spool", str(workdir / "x.db")],
         port, log_path=workdir / "no-etcd.log")

@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from tokenserve import client as sdk
+from tokenserve.client_errors import error_from_rpc
 from tokenserve.common.v1 import common_pb2
 from tokenserve.gateway.v1 import gateway_pb2
 
@@ -63,16 +64,21 @@ def test_count_tokens_needs_exactly_one_input():
     (grpc.StatusCode.ABORTED, sdk.TokenserveError),
 ])
 def test_status_codes_become_readable_exceptions(code, cls):
-    err = sdk._error(FakeRpcError(code, "max_tokens must be >= 1"))
+    err = error_from_rpc(FakeRpcError(code, "max_tokens must be >= 1"))
     assert type(err) is cls
     assert err.code == code and err.message == "max_tokens must be >= 1"
     assert str(err) == f"{code.name}: max_tokens must be >= 1"
 
 
-def test_rate_limits_carry_retry_after_seconds():
-    err = sdk._error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "slow down",
-                                  (("retry-after-ms", "1500"),)))
+def test_rate_limits_carry_retry_after_seconds_and_the_limit():
+    err = error_from_rpc(FakeRpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "slow down",
+        (("retry-after-ms", "1500"), ("limit", "tpm"), ("limit-remaining", "12"))))
     assert isinstance(err, sdk.RateLimitError) and err.retry_after == 1.5
+    assert (err.limit, err.remaining) == ("tpm", 12)
+    bare = error_from_rpc(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "x",
+                                       (("retry-after-ms", "soon"),)))
+    assert (bare.retry_after, bare.limit, bare.remaining) == (None, None, None)
 
 
 def test_last_chunk_carries_finish_reason_and_usage():

@@ -37,6 +37,8 @@ def test_good_requests_get_a_request_id():
     ({"sampling": SamplingParams(min_p=2.0)}, "min_p"),
     ({"sampling": SamplingParams(repetition_penalty=0.0)}, "repetition_penalty"),
     ({"sampling": SamplingParams(presence_penalty=3.0)}, "presence_penalty"),
+    ({"sampling": SamplingParams(seed=-1)}, "seed"),
+    ({"sampling": SamplingParams(seed=2 ** 64)}, "seed"),
     ({"stop": tuple("abcdefghijklmnopq")}, "at most 16"),
     ({"stop": ("",)}, r"stop\[0\]"),
     ({"top_logprobs": 21}, "top_logprobs"),
