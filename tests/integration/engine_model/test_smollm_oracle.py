@@ -36,7 +36,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    return ModelRunner(default_model_path(), num_blocks=160)
+    return ModelRunner(default_model_path(), num_blocks=160, quantization="none", dtype="float32")  # --exact
 
 
 @pytest.fixture(scope="module")
