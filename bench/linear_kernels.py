@@ -70,8 +70,8 @@ def int4_pack(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Ten
     return packed, sz
 
 
-def step_time(fns: list, xs: dict[int, torch.Tensor], rows: int, repeats: int) -> float:
-    x = xs[rows]
+def step_time(fns: list, x: dict[int, torch.Tensor], repeats: int) -> float:
+    """Median seconds of one pass over every linear; x: the input rows by input width."""
     for f in fns:  # warm-up
         f(x)
     samples = []
@@ -144,7 +144,7 @@ def main() -> None:
             results[name] = {}
             for r in rows:
                 try:
-                    t = step_time(fns, xs32[r], r, a.repeats)
+                    t = step_time(fns, xs32[r], a.repeats)
                 except Exception as e:  # noqa: BLE001 - a kernel this CPU/torch lacks: say so
                     print(f"{name} rows={r}: {type(e).__name__}: {e}"[:200])
                     continue
