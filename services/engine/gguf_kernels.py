@@ -1,10 +1,10 @@
 """A GGUF file's own quantized weights, multiplied in their blocks (kernels/gguf_linear.c).
 
-`GGUFWeight` holds one weight matrix exactly as the file stores it: N rows of K / 32 blocks
-of one block format (Q8_0, Q4_0 or Q4_1), as raw bytes. `linear(lib, x, w)` computes
+`GGUFWeight` holds one weight matrix exactly as the file stores it: N rows of blocks of one
+block format (Q8_0, Q4_0, Q4_1 or Q4_K), as raw bytes. `linear(lib, x, w)` computes
 x @ w.T in float32, dequantizing each block in registers with the same float32 operations
 as the reference dequantizer, so it computes with exactly the numbers in the file; decode
-reads 0.625 (Q4_1) or 0.5625 (Q4_0) bytes per weight instead of int8's 1 or float32's 4.
+reads 0.5625 (Q4_0, Q4_K) or 0.625 (Q4_1) bytes per weight instead of int8's 1 or float32's 4.
 
 Instruction sets: the C source is built once per ISA this module knows (`ISAS`, best first)
 and `load()` returns the best build the CPU runs (AVX-512 where /proc/cpuinfo lists F, BW, VL
@@ -26,9 +26,9 @@ from tokenserve.runtime.logging import get_logger
 
 log = get_logger(component="engine.gguf_kernels")
 
-QK = 32  # weights per block, every format here
-# block format -> (GGML type id, the kernel's format code; bytes per block of 32 weights)
-FORMATS: dict[str, tuple[int, int]] = {"Q8_0": (8, 34), "Q4_0": (2, 18), "Q4_1": (3, 20)}
+# block format -> (GGML type id, also the kernel's format code; weights per block; bytes per block)
+FORMATS: dict[str, tuple[int, int, int]] = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20),
+                                            "Q4_K": (12, 256, 144)}
 # ISA name -> (compiler flags, /proc/cpuinfo flags it needs), best first
 ISAS: dict[str, tuple[list[str], frozenset[str]]] = {
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -77,7 +77,8 @@ def load(isa: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL |
 
 @dataclass(frozen=True)
 class GGUFWeight:
-    """One [N, K] weight matrix in its file blocks: `blocks` is uint8 [N, K / 32 * block bytes]."""
+    """One [N, K] weight matrix in its file blocks: `blocks` is uint8 [N, K / block weights *
+    block bytes]."""
 
     kind: str
     blocks: torch.Tensor
@@ -87,7 +88,8 @@ class GGUFWeight:
         n, k = self.shape
         if self.kind not in FORMATS:
             raise ValueError(f"block format {self.kind} has no kernel (have {', '.join(FORMATS)})")
-        if k % QK or tuple(self.blocks.shape) != (n, k // QK * FORMATS[self.kind][1]):
+        _, per, size = FORMATS[self.kind]
+        if k % per or tuple(self.blocks.shape) != (n, k // per * size):
             raise ValueError(f"{self.kind} blocks {tuple(self.blocks.shape)} do not hold a {n}x{k} matrix")
 
     @staticmethod

@@ -8,7 +8,11 @@
      Q8_0 (34 bytes): f16 d, 32 x int8 q                    w = d * q
      Q4_0 (18 bytes): f16 d, 16 bytes of nibbles            w = d * (q - 8)
      Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of nibbles     w = d * q + m
-   (nibbles: byte i holds element i in its low half and element i + 16 in its high half).
+     Q4_K (144 bytes per 256): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins of eight
+          sub-blocks of 32, 128 bytes of nibbles           w = (d * sc) * q - dmin * mn
+   (Q4_0/Q4_1 nibbles: byte i holds element i in its low half and element i + 16 in its high
+   half; Q4_K: sub-blocks 2g and 2g + 1 are the low and high halves of bytes 32g .. 32g + 31).
+   Every format is walked in units of 32 weights ("blocks"; a Q4_K sub-block is one).
    Each weight is dequantized in registers with exactly the float32 operations of the
    reference dequantizer (gguf-py: one multiply, then for Q4_1 one add, never fused), so the
    products use exactly the numbers the float32-dequantized model uses; only the summation
@@ -30,7 +34,7 @@
 #define GROUP 16            /* output rows per work item */
 #define PANEL_MIN_ROWS 4
 
-enum { FMT_Q8_0 = 8, FMT_Q4_0 = 2, FMT_Q4_1 = 3 };
+enum { FMT_Q8_0 = 8, FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q4_K = 12 };
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -62,6 +66,10 @@ static inline vi load_nib(const uint8_t *q, int c) {
     return c == 0 ? _mm512_and_si512(b, _mm512_set1_epi32(15)) : _mm512_srli_epi32(b, 4);
 }
 #define vsub_i(a, b) _mm512_sub_epi32(a, _mm512_set1_epi32(b))
+#define vsub(a, b) _mm512_sub_ps(a, b)
+static inline vi load_u8(const uint8_t *q) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)); }
+#define vand15(v) _mm512_and_si512(v, _mm512_set1_epi32(15))
+#define vsrl4(v) _mm512_srli_epi32(v, 4)
 #else
 #define VW 8
 typedef __m256 vf;
@@ -91,6 +99,10 @@ static inline vi load_nib(const uint8_t *q, int c) {
     return c < 2 ? _mm256_and_si256(b, _mm256_set1_epi32(15)) : _mm256_srli_epi32(b, 4);
 }
 #define vsub_i(a, b) _mm256_sub_epi32(a, _mm256_set1_epi32(b))
+#define vsub(a, b) _mm256_sub_ps(a, b)
+static inline vi load_u8(const uint8_t *q) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)); }
+#define vand15(v) _mm256_and_si256(v, _mm256_set1_epi32(15))
+#define vsrl4(v) _mm256_srli_epi32(v, 4)
 #endif
 
 #define NCH (QK / VW)  /* vector chunks per block */
@@ -103,7 +115,28 @@ int64_t gguf_block_bytes(int fmt) {
         case FMT_Q8_0: return 34;
         case FMT_Q4_0: return 18;
         case FMT_Q4_1: return 20;
+        case FMT_Q4_K: return 144;
         default: return 0;
+    }
+}
+
+/* weights per stored block */
+static inline int64_t block_weights(int fmt) { return fmt == FMT_Q4_K ? 256 : QK; }
+
+/* Bytes of one row of K weights, or 0 where K does not fill whole blocks. */
+static inline int64_t row_bytes(int fmt, int64_t K) {
+    int64_t bw = block_weights(fmt);
+    return K % bw ? 0 : K / bw * gguf_block_bytes(fmt);
+}
+
+/* Q4_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes s. */
+static inline void q4k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
 }
 
@@ -113,14 +146,32 @@ static inline float f16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* Scales of block b: d (and m for Q4_1). */
-static inline __attribute__((always_inline)) void scales(int fmt, const uint8_t *blk, vf *d, vf *m) {
+/* Scales of the 32-weight block b of a row: d (and m for Q4_1, Q4_K). */
+static inline __attribute__((always_inline)) void scales(int fmt, const uint8_t *row, int64_t b,
+                                                         vf *d, vf *m) {
+    if (fmt == FMT_Q4_K) {
+        const uint8_t *sb = row + (b >> 3) * 144;
+        int sc, mn;
+        q4k_scale_min(sb + 4, (int)(b & 7), &sc, &mn);
+        *d = vset1(f16(sb) * (float)sc);
+        *m = vset1(f16(sb + 2) * (float)mn);
+        return;
+    }
+    const uint8_t *blk = row + b * gguf_block_bytes(fmt);
     *d = vset1(f16(blk));
     *m = fmt == FMT_Q4_1 ? vset1(f16(blk + 2)) : vzero();
 }
 
 /* Weights of chunk c of one block, exactly as the reference dequantizer computes them. */
-static inline __attribute__((always_inline)) vf dequant(int fmt, const uint8_t *blk, int c, vf d, vf m) {
+static inline __attribute__((always_inline)) vf dequant(int fmt, const uint8_t *row, int64_t b,
+                                                        int c, vf d, vf m) {
+    if (fmt == FMT_Q4_K) {
+        const uint8_t *q = row + (b >> 3) * 144 + 16 + ((b & 7) >> 1) * 32 + c * VW;
+        vi v = load_u8(q);
+        v = (b & 1) ? vsrl4(v) : vand15(v);
+        return vsub(vmul(d, vcvt(v)), m);
+    }
+    const uint8_t *blk = row + b * gguf_block_bytes(fmt);
     switch (fmt) {
         case FMT_Q8_0: return vmul(vcvt(load_i8(blk + 2, c)), d);
         case FMT_Q4_0: return vmul(d, vcvt(vsub_i(load_nib(blk + 2, c), 8)));
@@ -132,17 +183,17 @@ static inline __attribute__((always_inline)) vf dequant(int fmt, const uint8_t *
 #define DTILE(NR, MR)                                                                      \
 static inline __attribute__((always_inline)) void dtile_##NR##x##MR(int fmt, const float *x, const uint8_t *w, float *y, \
                                      int64_t m0, int64_t n0, int64_t N, int64_t K,         \
-                                     int64_t rb, int64_t bb) {                             \
+                                     int64_t rb) {                             \
     vf acc[NR][MR];                                                                        \
     UNROLL for (int r = 0; r < NR; r++)                                                    \
         UNROLL for (int j = 0; j < MR; j++) acc[r][j] = vzero();                           \
     const float *xr = x + m0 * K;                                                          \
     for (int64_t b = 0; b < K / QK; b++) {                                                 \
         vf d[NR], mm[NR];                                                                  \
-        UNROLL for (int r = 0; r < NR; r++) scales(fmt, w + (n0 + r) * rb + b * bb, &d[r], &mm[r]); \
+        UNROLL for (int r = 0; r < NR; r++) scales(fmt, w + (n0 + r) * rb, b, &d[r], &mm[r]); \
         UNROLL for (int c = 0; c < NCH; c++) {                                             \
             UNROLL for (int r = 0; r < NR; r++) {                                          \
-                vf wv = dequant(fmt, w + (n0 + r) * rb + b * bb, c, d[r], mm[r]);          \
+                vf wv = dequant(fmt, w + (n0 + r) * rb, b, c, d[r], mm[r]);                \
                 UNROLL for (int j = 0; j < MR; j++)                                        \
                     acc[r][j] = vfma(wv, vload(xr + j * K + b * QK + c * VW), acc[r][j]);  \
             }                                                                              \
@@ -233,17 +284,17 @@ static inline void panel_rows(const float *x, const float *pan, float *y, int64_
 static inline __attribute__((always_inline)) void group_impl(
         const int fmt, const float *x, const uint8_t *w, float *y, float *pan, int64_t M,
         int64_t n0, int64_t nr, int64_t N, int64_t K) {
-    int64_t bb = gguf_block_bytes(fmt), rb = bb * (K / QK), n = n0, end = n0 + nr;
+    int64_t rb = row_bytes(fmt, K), n = n0, end = n0 + nr;
     if (M < PANEL_MIN_ROWS) {
         for (; n + 4 <= end; n += 4) {
-            if (M == 1) dtile_4x1(fmt, x, w, y, 0, n, N, K, rb, bb);
-            else if (M == 2) dtile_4x2(fmt, x, w, y, 0, n, N, K, rb, bb);
-            else dtile_4x3(fmt, x, w, y, 0, n, N, K, rb, bb);
+            if (M == 1) dtile_4x1(fmt, x, w, y, 0, n, N, K, rb);
+            else if (M == 2) dtile_4x2(fmt, x, w, y, 0, n, N, K, rb);
+            else dtile_4x3(fmt, x, w, y, 0, n, N, K, rb);
         }
         for (; n < end; n++) {
-            if (M == 1) dtile_1x1(fmt, x, w, y, 0, n, N, K, rb, bb);
-            else if (M == 2) dtile_1x2(fmt, x, w, y, 0, n, N, K, rb, bb);
-            else dtile_1x3(fmt, x, w, y, 0, n, N, K, rb, bb);
+            if (M == 1) dtile_1x1(fmt, x, w, y, 0, n, N, K, rb);
+            else if (M == 2) dtile_1x2(fmt, x, w, y, 0, n, N, K, rb);
+            else dtile_1x3(fmt, x, w, y, 0, n, N, K, rb);
         }
         return;
     }
@@ -251,9 +302,9 @@ static inline __attribute__((always_inline)) void group_impl(
         const uint8_t *row = w + (n0 + r) * rb;
         for (int64_t b = 0; b < K / QK; b++) {
             vf d, mm;
-            scales(fmt, row + b * bb, &d, &mm);
+            scales(fmt, row, b, &d, &mm);
             UNROLL for (int c = 0; c < NCH; c++)
-                vstorea(pan + r * K + b * QK + c * VW, dequant(fmt, row + b * bb, c, d, mm));
+                vstorea(pan + r * K + b * QK + c * VW, dequant(fmt, row, b, c, d, mm));
         }
     }
     panel_rows(x, pan, y, M, n0, nr, N, K);
@@ -269,14 +320,15 @@ static void group_##F(const float *x, const uint8_t *w, float *y, float *pan, in
 GROUP_FN(Q8_0)
 GROUP_FN(Q4_0)
 GROUP_FN(Q4_1)
+GROUP_FN(Q4_K)
 
-/* x: float32 [M, K] (K % 32 == 0); w: N rows of K / 32 blocks of format fmt; y: float32
-   [M, N]. Returns 0, or -1 for an unknown format or a K that is not a multiple of 32. */
+/* x: float32 [M, K]; w: N rows of K weights in blocks of format fmt; y: float32 [M, N].
+   Returns 0, or -1 for an unknown format or a K that does not fill whole blocks. */
 int gguf_linear(int fmt, const float *x, const uint8_t *w, float *y, int64_t M, int64_t N,
                 int64_t K) {
     group_fn fn = fmt == FMT_Q8_0 ? group_Q8_0 : fmt == FMT_Q4_0 ? group_Q4_0
-                : fmt == FMT_Q4_1 ? group_Q4_1 : 0;
-    if (fn == 0 || K % QK) return -1;
+                : fmt == FMT_Q4_1 ? group_Q4_1 : fmt == FMT_Q4_K ? group_Q4_K : 0;
+    if (fn == 0 || row_bytes(fmt, K) == 0) return -1;
     if (M == 0) return 0;
     int64_t groups = (N + GROUP - 1) / GROUP;
     #pragma omp parallel
@@ -294,17 +346,15 @@ int gguf_linear(int fmt, const float *x, const uint8_t *w, float *y, int64_t M, 
 
 /* w as float32 [N, K] (the reference dequantization, for tests and fallbacks). */
 int gguf_dequantize(int fmt, const uint8_t *w, float *out, int64_t N, int64_t K) {
-    int64_t bb = gguf_block_bytes(fmt);
-    if (bb == 0 || K % QK) return -1;
-    int64_t rb = bb * (K / QK);
+    int64_t rb = gguf_block_bytes(fmt) ? row_bytes(fmt, K) : 0;
+    if (rb == 0) return -1;
     #pragma omp parallel for schedule(dynamic) if (N * K >= (1 << 16))
     for (int64_t n = 0; n < N; n++) {
         for (int64_t b = 0; b < K / QK; b++) {
-            const uint8_t *blk = w + n * rb + b * bb;
             vf d, mm;
-            scales(fmt, blk, &d, &mm);
+            scales(fmt, w + n * rb, b, &d, &mm);
             UNROLL for (int c = 0; c < NCH; c++) {
-                vf v = dequant(fmt, blk, c, d, mm);
+                vf v = dequant(fmt, w + n * rb, b, c, d, mm);
                 float t[VW] __attribute__((aligned(64)));
                 vstorea(t, v);
                 memcpy(out + n * K + b * QK + c * VW, t, sizeof t);
