@@ -1,10 +1,11 @@
 """A GGUF file's own quantized weights, multiplied in their blocks (kernels/gguf_linear.c).
 
 `GGUFWeight` holds one weight matrix exactly as the file stores it: N rows of blocks of one
-block format (Q8_0, Q4_0, Q4_1 or Q4_K), as raw bytes. `linear(lib, x, w)` computes
+block format (Q8_0, Q4_0, Q4_1, Q4_K or Q6_K), as raw bytes. `linear(lib, x, w)` computes
 x @ w.T in float32, dequantizing each block in registers with the same float32 operations
 as the reference dequantizer, so it computes with exactly the numbers in the file; decode
-reads 0.5625 (Q4_0, Q4_K) or 0.625 (Q4_1) bytes per weight instead of int8's 1 or float32's 4.
+reads 0.5625 (Q4_0, Q4_K), 0.625 (Q4_1) or 0.82 (Q6_K) bytes per weight instead of int8's 1
+or float32's 4.
 
 Instruction sets: the C source is built once per ISA this module knows (`ISAS`, best first)
 and `load()` returns the best build the CPU runs (AVX-512 where /proc/cpuinfo lists F, BW, VL
@@ -28,7 +29,7 @@ log = get_logger(component="engine.gguf_kernels")
 
 # block format -> (GGML type id, also the kernel's format code; weights per block; bytes per block)
 FORMATS: dict[str, tuple[int, int, int]] = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20),
-                                            "Q4_K": (12, 256, 144)}
+                                            "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
 # ISA name -> (compiler flags, /proc/cpuinfo flags it needs), best first
 ISAS: dict[str, tuple[list[str], frozenset[str]]] = {
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],

@@ -10,6 +10,8 @@
      Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of nibbles     w = d * q + m
      Q4_K (144 bytes per 256): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins of eight
           sub-blocks of 32, 128 bytes of nibbles           w = (d * sc) * q - dmin * mn
+     Q6_K (210 bytes per 256): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
+          scales (one per 16 weights), f16 d              w = (d * sc) * (q - 32)
    (Q4_0/Q4_1 nibbles: byte i holds element i in its low half and element i + 16 in its high
    half; Q4_K: sub-blocks 2g and 2g + 1 are the low and high halves of bytes 32g .. 32g + 31).
    Every format is walked in units of 32 weights ("blocks"; a Q4_K sub-block is one).
@@ -34,7 +36,7 @@
 #define GROUP 16            /* output rows per work item */
 #define PANEL_MIN_ROWS 4
 
-enum { FMT_Q8_0 = 8, FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q4_K = 12 };
+enum { FMT_Q8_0 = 8, FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q4_K = 12, FMT_Q6_K = 14 };
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -70,6 +72,10 @@ static inline vi load_nib(const uint8_t *q, int c) {
 static inline vi load_u8(const uint8_t *q) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)); }
 #define vand15(v) _mm512_and_si512(v, _mm512_set1_epi32(15))
 #define vsrl4(v) _mm512_srli_epi32(v, 4)
+#define vsrl(v, n) _mm512_srli_epi32(v, n)
+#define vsll4(v) _mm512_slli_epi32(v, 4)
+#define vand3(v) _mm512_and_si512(v, _mm512_set1_epi32(3))
+#define vor(a, b) _mm512_or_si512(a, b)
 #else
 #define VW 8
 typedef __m256 vf;
@@ -103,6 +109,10 @@ static inline vi load_nib(const uint8_t *q, int c) {
 static inline vi load_u8(const uint8_t *q) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)); }
 #define vand15(v) _mm256_and_si256(v, _mm256_set1_epi32(15))
 #define vsrl4(v) _mm256_srli_epi32(v, 4)
+#define vsrl(v, n) _mm256_srli_epi32(v, n)
+#define vsll4(v) _mm256_slli_epi32(v, 4)
+#define vand3(v) _mm256_and_si256(v, _mm256_set1_epi32(3))
+#define vor(a, b) _mm256_or_si256(a, b)
 #endif
 
 #define NCH (QK / VW)  /* vector chunks per block */
@@ -116,12 +126,13 @@ int64_t gguf_block_bytes(int fmt) {
         case FMT_Q4_0: return 18;
         case FMT_Q4_1: return 20;
         case FMT_Q4_K: return 144;
+        case FMT_Q6_K: return 210;
         default: return 0;
     }
 }
 
 /* weights per stored block */
-static inline int64_t block_weights(int fmt) { return fmt == FMT_Q4_K ? 256 : QK; }
+static inline int64_t block_weights(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q6_K ? 256 : QK; }
 
 /* Bytes of one row of K weights, or 0 where K does not fill whole blocks. */
 static inline int64_t row_bytes(int fmt, int64_t K) {
@@ -157,6 +168,11 @@ static inline __attribute__((always_inline)) void scales(int fmt, const uint8_t 
         *m = vset1(f16(sb + 2) * (float)mn);
         return;
     }
+    if (fmt == FMT_Q6_K) {  /* d; each chunk's own scale is applied in dequant */
+        *d = vset1(f16(row + (b >> 3) * 210 + 208));
+        *m = vzero();
+        return;
+    }
     const uint8_t *blk = row + b * gguf_block_bytes(fmt);
     *d = vset1(f16(blk));
     *m = fmt == FMT_Q4_1 ? vset1(f16(blk + 2)) : vzero();
@@ -170,6 +186,20 @@ static inline __attribute__((always_inline)) vf dequant(int fmt, const uint8_t *
         vi v = load_u8(q);
         v = (b & 1) ? vsrl4(v) : vand15(v);
         return vsub(vmul(d, vcvt(v)), m);
+    }
+    if (fmt == FMT_Q6_K) {
+        /* sub-block j of the super-block: its low nibbles are bytes (j / 4) * 64 + (j & 1) * 32
+           onward shifted by ((j & 3) >> 1) * 4, its high pairs bytes (j / 4) * 32 onward
+           shifted by (j & 3) * 2; weights 16i .. 16i + 15 share int8 scale i */
+        const uint8_t *sb = row + (b >> 3) * 210;
+        int j = (int)(b & 7);
+        vi lo = load_u8(sb + (j >> 2) * 64 + (j & 1) * 32 + c * VW);
+        vi hi = load_u8(sb + 128 + (j >> 2) * 32 + c * VW);
+        lo = vand15(vsrl(lo, ((j & 3) >> 1) * 4));
+        hi = vand3(vsrl(hi, (j & 3) * 2));
+        vi q = vsub_i(vor(lo, vsll4(hi)), 32);
+        float sc = (float)(int8_t)sb[192 + j * 2 + (c * VW) / 16];
+        return vmul(vmul(d, vset1(sc)), vcvt(q));
     }
     const uint8_t *blk = row + b * gguf_block_bytes(fmt);
     switch (fmt) {
@@ -321,13 +351,15 @@ GROUP_FN(Q8_0)
 GROUP_FN(Q4_0)
 GROUP_FN(Q4_1)
 GROUP_FN(Q4_K)
+GROUP_FN(Q6_K)
 
 /* x: float32 [M, K]; w: N rows of K weights in blocks of format fmt; y: float32 [M, N].
    Returns 0, or -1 for an unknown format or a K that does not fill whole blocks. */
 int gguf_linear(int fmt, const float *x, const uint8_t *w, float *y, int64_t M, int64_t N,
                 int64_t K) {
     group_fn fn = fmt == FMT_Q8_0 ? group_Q8_0 : fmt == FMT_Q4_0 ? group_Q4_0
-                : fmt == FMT_Q4_1 ? group_Q4_1 : fmt == FMT_Q4_K ? group_Q4_K : 0;
+                : fmt == FMT_Q4_1 ? group_Q4_1 : fmt == FMT_Q4_K ? group_Q4_K
+                : fmt == FMT_Q6_K ? group_Q6_K : 0;
     if (fn == 0 || row_bytes(fmt, K) == 0) return -1;
     if (M == 0) return 0;
     int64_t groups = (N + GROUP - 1) / GROUP;

@@ -31,10 +31,11 @@ def glib(request):
 def blocks(kind: str, n: int, k: int, seed: int = 0) -> GGUFWeight:
     g = torch.Generator().manual_seed(seed)
     qtype = gguf.GGMLQuantizationType[kind]
-    if kind == "Q4_K":  # gguf-py cannot quantize K-quants: random blocks with sane f16 scales
-        raw = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8, generator=g)
-        scale = (torch.rand(n, k // 256, 2, generator=g) * 0.01).half()
-        raw[:, :, :4] = scale.view(torch.uint8).reshape(n, k // 256, 4)
+    if kind in ("Q4_K", "Q6_K"):  # gguf-py cannot quantize K-quants: random blocks, sane f16 scales
+        size, at, count = {"Q4_K": (144, 0, 2), "Q6_K": (210, 208, 1)}[kind]
+        raw = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=g)
+        scale = (torch.rand(n, k // 256, count, generator=g) * 0.01).half()
+        raw[:, :, at:at + 2 * count] = scale.view(torch.uint8).reshape(n, k // 256, 2 * count)
         return GGUFWeight(kind, raw.reshape(n, -1).contiguous(), (n, k))
     a = (torch.randn(n, k, generator=g) * 0.1).numpy()
     return GGUFWeight(kind, torch.from_numpy(gguf.quants.quantize(a, qtype)), (n, k))
