@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's own server (the continuous-batching peer of bench/engine_concurrency.py)
-# from the llama-cpp-python source distribution, for CPUs with AVX2 but without AVX-512/AMX
-# (a native build enables kernels that crash on these machines; see ../shared/BENCH.md).
+# from the llama-cpp-python source distribution for the CPU at hand: AVX2/FMA always, the
+# AVX-512 family (VNNI, VBMI, BF16) where /proc/cpuinfo lists it, AMX always off (a native
+# build enables AMX kernels that crash on these machines; see ../shared/BENCH.md).
 #   bench/build_llama_server.sh [WORKDIR]    # prints the binary's path; 5-15 min on 2 cores
 set -euo pipefail
 work="${1:-${TMPDIR:-/tmp}/llama-server-build}"
@@ -13,9 +14,11 @@ if [ ! -d "llama_cpp_python-$version" ]; then
     tar xzf "llama_cpp_python-$version.tar.gz"
 fi
 cd "llama_cpp_python-$version/vendor/llama.cpp"
+has() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
 cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_F16C=ON \
-    -DGGML_FMA=ON -DGGML_BMI2=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI=OFF \
-    -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+    -DGGML_FMA=ON -DGGML_BMI2=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI="$(has avx_vnni)" \
+    -DGGML_AVX512="$(has avx512f)" -DGGML_AVX512_VBMI="$(has avx512vbmi)" \
+    -DGGML_AVX512_VNNI="$(has avx512_vnni)" -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON >&2
 cmake --build build --target llama-server -j "$(nproc)" >&2

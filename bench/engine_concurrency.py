@@ -5,17 +5,22 @@
 Workloads: N concurrent streams of 64-token prompts generating 64 tokens (EOS ignored),
 for N in --concurrency, plus a mixed load (a quarter of 16 streams with 512-token prompts,
 the rest 64). Every peer gets the same token ids.
-  - tokenserve: a `python -m services.engine` process, streams over gRPC on loopback;
-    TTFT and inter-token latency measured by the client per stream.
+  - tokenserve: a `python -m services.engine` process at its defaults (the GGUF file's own
+    quantized blocks, float16 KV cache; --engine-arg adds flags, e.g. --engine-arg=--exact),
+    streams over gRPC on loopback; TTFT and inter-token latency measured by the client per
+    stream.
   - transformers (float32 and bfloat16): `generate` on the whole batch at once (static
     batching, left padding); per-step times come from a stopping-criteria hook, so TTFT is
     the batch prefill and ITL the batch decode step.
   - llama.cpp (`--llama-server PATH`): llama.cpp's own C++ server with parallel slots
     (`-np <most streams> --kv-unified -fa on -t <cores>`, prompt cache off), the same token
     ids streamed from its /completion endpoint over HTTP (server-sent events), greedy,
-    EOS ignored. Build it as bench/README or BENCH.md says (AVX-512 off on AVX2-only CPUs).
+    EOS ignored. bench/build_llama_server.sh builds it for the CPU at hand.
 Aggregate tokens/s = generated tokens / wall time of the workload. Medians over --runs.
 Prefix caching is off in the engine (distinct prompts per stream anyway).
+The JSON records the CPU flags, the measured copy bandwidth and the one-stream roofline
+(bandwidth / bytes of weights the default engine reads per token, bench/machine.py), and the
+engine's one-stream tokens/s as a fraction of it.
 Writes bench/results/engine_concurrency.json and .png.
 """
 from __future__ import annotations
@@ -43,6 +48,8 @@ from tokenserve.models import default_model_path
 from tokenserve.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.machine import machine_facts  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -300,6 +307,8 @@ def main(argv=None) -> int:
     peers = a.peers.split(",")
     results: dict[str, dict[str, dict]] = {}
     RESULTS.mkdir(parents=True, exist_ok=True)
+    facts = machine_facts(default_model_path())
+    print("machine:", {k: v for k, v in facts.items() if k != "cpu_flags"}, flush=True)
 
     if "tokenserve" in peers:
         log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.engine.log"
@@ -326,8 +335,11 @@ def main(argv=None) -> int:
         del model
 
     report = {"benchmark": "engine_concurrency", "when": datetime.now(timezone.utc).isoformat(),
-              "machine": {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform(),
-                          "load_avg_at_end": os.getloadavg()},
+              "machine": {"platform": platform.platform(), "load_avg_at_end": os.getloadavg(),
+                          **facts},
+              "roofline_fraction_one_stream": (
+                  round(results["tokenserve"]["c1"]["tok_per_s"] / facts["roofline_tok_s_one_stream"], 3)
+                  if "c1" in results.get("tokenserve", {}) else None),
               "model": "SmolLM2-135M-Instruct Q4_1 (GGUF); engine dtype/quantization per engine_args,"
                        " transformers dequantized to its dtype, llama.cpp server on the Q4_1 file",
               "llama_server": a.llama_server,

@@ -8,8 +8,10 @@ Per run and configuration:
     token; transformers = generate(max_new_tokens=1).
   - decode tok/s after the 128-token prompt: ours = `--decode` one-token steps;
     transformers = (generate(1 + decode, min_new_tokens) - TTFT) / decode.
+Configurations: `default` (the service's defaults: the GGUF file's own blocks, float16 KV),
+`float32` (--exact), `int8`, `bfloat16`.
 Medians over runs, configurations interleaved inside each run. Quality of the faster
-settings: greedy agreement with float32, teacher-forced (each position's argmax given
+settings: greedy agreement with float32 (--exact), teacher-forced (each position's argmax given
 the float32 prefix) over 64 tokens of three prompts.
 llama.cpp (llama-cpp-python) is measured only if it is importable (see shared/BENCH.md).
 Writes bench/results/engine_cpu.json and bench/results/engine_cpu.png.
@@ -32,6 +34,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 import torch  # noqa: E402
 
 from services.engine.interface import Batch, SamplingParams, SeqChunk  # noqa: E402
+from bench.machine import machine_facts  # noqa: E402
 from services.engine.runner import ModelRunner  # noqa: E402
 from tokenserve.models import default_model_path  # noqa: E402
 from tokenserve.tokenization import load_model_tokenizer  # noqa: E402
@@ -177,7 +180,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--configs", default="float32,int8,bfloat16")
+    ap.add_argument("--configs", default="default,float32,int8,bfloat16")
     ap.add_argument("--llama-cpp-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.llama_cpp_child:
@@ -187,9 +190,11 @@ def main() -> None:
     tok = load_model_tokenizer(path)
     p128, p1000 = prompt_ids(tok, 128), prompt_ids(tok, 1000)
     load_avg_start = os.getloadavg()
+    facts = machine_facts(path)
 
     peers: list = []
-    settings = {"float32": ("float32", "none"), "int8": ("float32", "int8"), "bfloat16": ("bfloat16", "none")}
+    settings = {"default": ("float32", "auto"), "float32": ("float32", "none"),
+                "int8": ("float32", "int8"), "bfloat16": ("bfloat16", "none")}
     for cfg in args.configs.split(","):
         dtype, quant = settings[cfg]
         r = ModelRunner(path, dtype=dtype, quantization=quant, num_blocks=160, num_threads=args.threads)
@@ -253,11 +258,13 @@ def main() -> None:
     result = {
         "benchmark": "engine_cpu single stream", "model": path.name,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
+        "machine": {"platform": platform.platform(), "threads": args.threads, **facts,
                     "load_avg_start": load_avg_start, "load_avg_end": os.getloadavg(),
                     "note": "shared 2-core machine; other engineers' jobs were running"},
         "runs": args.runs, "decode_tokens": args.decode, "medians": medians, "samples": samples,
         "ratios": ratios, "greedy_agreement_vs_float32": quality,
+        "roofline_fraction_one_stream": {n: round(m["decode_tok_s"] / facts["roofline_tok_s_one_stream"], 3)
+                                         for n, m in medians.items()},
         "llama_cpp": ("measured in this run (llama-cpp-python, in-process, argmax on its logits)" if llama_decode
                       else "not measured; ratios use BENCH.md's 94 tok/s"),
     }

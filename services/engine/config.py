@@ -11,7 +11,7 @@ from tokenserve.runtime.config import check_endpoint, check_ports
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("auto", "none", "int8")  # what each means: services/engine/quant.py
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,11 @@ class EngineConfig:
     metrics_port: int | None = 9103
     device: str = "cpu"
     dtype: str = "float32"
-    quantization: str = "none"
-    # What the KV cache stores (None: dtype). float16 halves its memory and decode reads.
+    # The default is the fast one: a GGUF file's own quantized blocks (int8 for float weights).
+    # "none" with float32 (and a float32 KV cache) is the bit-faithful exact mode (--exact).
+    quantization: str = "auto"
+    # What the KV cache stores (None: float16 when quantized, else dtype). float16 halves its
+    # memory and decode reads.
     kv_cache_dtype: str | None = None
     # CPU threads for torch (None: every core this process may use).
     threads: int | None = None

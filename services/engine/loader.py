@@ -11,6 +11,12 @@ float32 tensors named
 with Q/K rows in the Hugging Face ("rotate half") RoPE layout. GGUF stores Q/K permuted for
 llama.cpp's interleaved RoPE; `_unpermute` undoes it exactly as transformers' GGUF loader does.
 Anything that cannot be loaded raises `ModelLoadError(path, reason)` before the engine serves.
+
+keep_blocks=True (GGUF only): the linear weights whose block format has a kernel
+(gguf_kernels.FORMATS) are kept as the file's own blocks in `quantized` (same names and row
+order, Q/K rows un-permuted the same way) instead of being dequantized into `tensors`; the
+token embedding is kept both ways (its rows are gathered as floats, and the tied output head
+multiplies its blocks).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from services.engine.gguf_kernels import FORMATS as BLOCK_FORMATS, GGUFWeight
 from tokenserve.runtime.logging import get_logger
 
 log = get_logger(component="engine.loader")
@@ -70,10 +77,13 @@ class ModelConfig:
 class LoadedWeights:
     config: ModelConfig
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # name -> the file's own blocks (load_weights(keep_blocks=True) only)
+    quantized: dict[str, GGUFWeight] = field(default_factory=dict)
     seconds: float = 0.0
 
 
-def load_weights(path: str | Path, progress: Progress | None = None) -> LoadedWeights:
+def load_weights(path: str | Path, progress: Progress | None = None, *,
+                 keep_blocks: bool = False) -> LoadedWeights:
     """GGUF file or Hugging Face folder -> LoadedWeights; raises ModelLoadError."""
     path = Path(path)
     t0 = time.perf_counter()
@@ -82,7 +92,7 @@ def load_weights(path: str | Path, progress: Progress | None = None) -> LoadedWe
     if path.is_dir():
         loaded = _load_hf(path, progress)
     elif path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
-        loaded = _load_gguf(path, progress)
+        loaded = _load_gguf(path, progress, keep_blocks)
     else:
         raise ModelLoadError(path, "not a GGUF file (no GGUF magic) and not a Hugging Face folder")
     _check_shapes(path, loaded)
@@ -122,7 +132,11 @@ _GGUF_GLOBAL_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "l
                       "rope_freqs": "rope_freqs"}
 
 
-def _load_gguf(path: Path, progress: Progress | None) -> LoadedWeights:
+# Canonical names of the weights a kernel multiplies (the embedding: as the tied output head).
+_LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "embed")
+
+
+def _load_gguf(path: Path, progress: Progress | None, keep_blocks: bool = False) -> LoadedWeights:
     import gguf  # only needed for GGUF models
 
     try:
@@ -171,12 +185,27 @@ def _load_gguf(path: Path, progress: Progress | None) -> LoadedWeights:
     )
 
     tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, GGUFWeight] = {}
     prog = _ProgressLog(path, len(reader.tensors), progress)
     for t in reader.tensors:
         name = _gguf_canonical_name(t.name)
         if name is None:
             prog.step()
             continue  # tensors this architecture does not use
+        if (keep_blocks and name.rsplit(".", 1)[-1] in _LINEAR_NAMES
+                and t.tensor_type.name in BLOCK_FORMATS and len(t.shape) == 2):
+            try:
+                blocks = GGUFWeight(t.tensor_type.name, torch.from_numpy(np.array(t.data, dtype=np.uint8)),
+                                    (int(t.shape[1]), int(t.shape[0])))
+            except ValueError as e:
+                raise ModelLoadError(path, f"tensor {t.name}: {e}; the file may be truncated") from e
+            if name.endswith(".wq") or name.endswith(".wk"):
+                heads = n_heads if name.endswith(".wq") else n_kv
+                blocks = blocks.rows(_unpermute(torch.arange(blocks.shape[0]), heads))
+            quantized[name] = blocks
+            if name != "embed":
+                prog.step()
+                continue
         try:
             array = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
@@ -195,7 +224,7 @@ def _load_gguf(path: Path, progress: Progress | None) -> LoadedWeights:
             w = _unpermute(w, n_kv)
         tensors[name] = w
         prog.step()
-    return LoadedWeights(config, tensors)
+    return LoadedWeights(config, tensors, quantized)
 
 
 def _gguf_canonical_name(gguf_name: str) -> str | None:
@@ -307,7 +336,7 @@ def _hf_canonical_name(key: str) -> str | None:
 # ---------------------------------------------------------------- validation
 
 def _check_shapes(path: Path, loaded: LoadedWeights) -> None:
-    c, t = loaded.config, loaded.tensors
+    c, t = loaded.config, {**loaded.quantized, **loaded.tensors}
     e, d, i = c.hidden_size, c.head_dim, c.intermediate_size
     want = {"embed": (c.vocab_size, e), "norm": (e,)}
     if not c.tie_embeddings:

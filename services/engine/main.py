@@ -41,11 +41,18 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
     p.add_argument("--version", default=DEFAULT_MODEL_VERSION)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--quantization", default="none", help="none | int8 (weight-only)")
+    p.add_argument("--dtype", default="float32", help="activations and dense weights")
+    p.add_argument("--quantization", default="auto",
+                   help="auto (default): a GGUF file's own quantized blocks, multiplied as they are"
+                        " (int8 for float weights) | int8: every weight as per-channel int8 |"
+                        " none: dense weights in --dtype")
     p.add_argument("--kv-cache-dtype", default=None,
-                   help="float32 | float16 | bfloat16 for the KV cache (default: --dtype); float16"
-                        " halves its memory and what decode attention reads")
+                   help="float32 | float16 | bfloat16 for the KV cache (default: float16 when"
+                        " quantized, else --dtype); float16 halves its memory and what decode"
+                        " attention reads")
+    p.add_argument("--exact", action="store_true",
+                   help="the bit-faithful mode: float32 dense weights, activations and KV cache"
+                        " (same as --quantization none --dtype float32); slower")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (default: all cores available)")
     p.add_argument("--max-concurrency", type=int, default=64)
@@ -77,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--drain-seconds", type=float, default=1.0)
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
+    if a.exact:
+        if a.quantization not in ("auto", "none") or a.dtype != "float32" or a.kv_cache_dtype not in (None, "float32"):
+            p.error("--exact is float32 without quantization: drop --quantization/--dtype/--kv-cache-dtype")
+        a.quantization, a.kv_cache_dtype = "none", "float32"
     try:
         return EngineConfig(
             model_path=a.model_path or default_model_path(), model_name=a.model_name,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from services.engine import cpu_kernels
 from services.engine.attention import AttentionMetadata, KVCache, attend, write_kv
+from services.engine.gguf_kernels import GGUFWeight
 from services.engine.loader import LoadedWeights, ModelConfig
 from services.engine.quant import make_linear
 
@@ -33,21 +34,28 @@ class LlamaModel:
         def dense(w: torch.Tensor) -> torch.Tensor:
             return w.to(device=device, dtype=dtype).contiguous()
 
-        def lin(w: torch.Tensor):
-            return make_linear(w, quantization=quantization, dtype=dtype, device=device, kernels=fused_kernels)
+        def lin(*names: str):
+            """One linear over the rows of the named weights: their file blocks where the loader
+            kept them all in one format (quantization "auto"), else float."""
+            blocks = [loaded.quantized.get(n) for n in names]
+            fused = GGUFWeight.cat(blocks) if all(b is not None for b in blocks) else None
+            if fused is None:
+                fused = torch.cat([t[n] if n in t else loaded.quantized[n].dequantize() for n in names])
+            return make_linear(fused, quantization=quantization, dtype=dtype, device=device,
+                               kernels=fused_kernels)
 
         self.embed = dense(t["embed"])  # [V, E]
-        self.lm_head = lin(t["embed"] if c.tie_embeddings else t["lm_head"])
+        self.lm_head = lin("embed" if c.tie_embeddings else "lm_head")
         self.norm = dense(t["norm"])
         self.layers = []
         for i in range(c.num_layers):
             p = f"layers.{i}."
             self.layers.append(_Layer(
                 attn_norm=dense(t[p + "attn_norm"]), ffn_norm=dense(t[p + "ffn_norm"]),
-                qkv=lin(torch.cat([t[p + "wq"], t[p + "wk"], t[p + "wv"]])),
-                o=lin(t[p + "wo"]),
-                gate_up=lin(torch.cat([t[p + "w_gate"], t[p + "w_up"]])),
-                down=lin(t[p + "w_down"]),
+                qkv=lin(p + "wq", p + "wk", p + "wv"),
+                o=lin(p + "wo"),
+                gate_up=lin(p + "w_gate", p + "w_up"),
+                down=lin(p + "w_down"),
             ))
         fusable = dtype == torch.float32 and device == "cpu" and c.hidden_size % 8 == 0
         self._kernels = cpu_kernels.load() if fusable and fused_kernels else None

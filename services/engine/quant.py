@@ -1,15 +1,25 @@
-"""Linear layers: dense (float32 / bfloat16) or weight-only int8 (per-output-channel scales).
+"""Linear layers: the model file's own quantized blocks, dense (float32 / bfloat16) or
+weight-only int8 (per-output-channel scales).
 
 `make_linear(w)` returns a callable x [T, in] -> [T, out]; the model never looks inside.
+
+Quantization modes:
+  auto  the default: a GGUF file's own blocks where gguf_kernels has a kernel for their format
+        (computing with exactly the file's numbers); other weights (float tensors, formats
+        without a kernel, Hugging Face folders) as int8. Without the C kernels (no AVX2, no
+        compiler) the blocks are dequantized once and multiplied by torch in float32.
+  none  dense weights in the model dtype (float32: the bit-faithful `--exact` mode)
+  int8  every weight re-quantized to per-channel int8
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from services.engine import cpu_kernels
+from services.engine import cpu_kernels, gguf_kernels
+from services.engine.gguf_kernels import GGUFWeight
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("auto", "none", "int8")
 
 
 class DenseLinear:
@@ -62,9 +72,32 @@ class Int8Linear:
         return F.linear(x, w) * self.scale.to(x.dtype)
 
 
-def make_linear(weight: torch.Tensor, *, quantization: str, dtype: torch.dtype, device: str,
-                kernels: bool = True):
-    """kernels=False: torch ops only (the eager switch, for debugging and comparison)."""
+class GGUFLinear:
+    """The file's own blocks, multiplied by gguf_kernels (dequantized in registers)."""
+
+    __slots__ = ("weight", "out_dtype", "_lib")
+
+    def __init__(self, weight: GGUFWeight, out_dtype: torch.dtype, lib):
+        self.weight, self.out_dtype, self._lib = weight, out_dtype, lib
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = gguf_kernels.linear(self._lib, x.float(), self.weight)
+        return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
+
+
+def make_linear(weight: torch.Tensor | GGUFWeight, *, quantization: str, dtype: torch.dtype,
+                device: str, kernels: bool = True):
+    """weight: float [out, in], or a GGUF file's blocks (quantization "auto").
+    kernels=False: torch ops only (the eager switch, for debugging and comparison)."""
+    if isinstance(weight, GGUFWeight):
+        lib = gguf_kernels.load() if kernels and device == "cpu" and quantization == "auto" else None
+        if lib is not None:
+            return GGUFLinear(weight, dtype, lib)
+        # torch: the file's numbers, dequantized once
+        return DenseLinear(weight.dequantize().to(device=device, dtype=dtype).contiguous())
+    if quantization == "auto":  # float weights: int8 where the AVX2 kernel runs, else dense
+        kernels_here = kernels and device == "cpu" and cpu_kernels.load() is not None
+        quantization = "int8" if kernels_here else "none"
     if quantization == "none":
         return DenseLinear(weight.to(device=device, dtype=dtype).contiguous())
     if quantization == "int8":

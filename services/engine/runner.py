@@ -39,8 +39,12 @@ class ModelRunner:
     Attributes the engine core reads: block_size, num_blocks, max_context, vocab_size,
     eos_token_ids, device, dtype, quantization, model_name, load_seconds.
     Raises ModelLoadError (path + reason) when the model cannot be served.
-    kv_cache_dtype: what K/V are stored as (default: dtype); float16 halves the cache's memory
-    and the bytes decode attention reads, at ~1e-3 relative rounding of K/V.
+    quantization: "none" (the default here: dense weights in dtype; float32 is the bit-faithful
+    exact mode), "auto" (the service's default: the GGUF file's own blocks, int8 for the rest;
+    see quant.py) or "int8".
+    kv_cache_dtype: what K/V are stored as (default: float16 when quantized, else dtype);
+    float16 halves the cache's memory and the bytes decode attention reads, at ~1e-3 relative
+    rounding of K/V.
     kernels=False turns off the AVX2 C kernels (fused norm, int8 matmul): torch ops only.
     num_threads: torch intra-op threads (default: the CPUs this process may use).
     seed: seeds the generator of unseeded sampling requests (tests).
@@ -54,7 +58,8 @@ class ModelRunner:
                  num_threads: int | None = None, seed: int | None = None, kernels: bool = True):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        kv_cache_dtype = kv_cache_dtype or dtype
+        # the fast modes store K/V in float16 (half the memory and decode reads); exact: dtype
+        kv_cache_dtype = kv_cache_dtype or ("float16" if quantization != "none" else dtype)
         if kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(DTYPES)}, got {kv_cache_dtype!r}")
         if quantization not in QUANTIZATIONS:
@@ -64,7 +69,7 @@ class ModelRunner:
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         t0 = time.perf_counter()
-        loaded = load_weights(model_path, progress)
+        loaded = load_weights(model_path, progress, keep_blocks=quantization == "auto")
         c = loaded.config
         try:
             with torch.inference_mode():

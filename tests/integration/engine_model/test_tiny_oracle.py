@@ -37,7 +37,7 @@ def pair(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf")
     model.save_pretrained(folder)
     (folder / "tokenizer.json").write_text(tm.tokenizer_json())
-    return model, ModelRunner(folder, block_size=8, num_blocks=128, num_threads=1)
+    return model, ModelRunner(folder, block_size=8, num_blocks=128, num_threads=1, quantization="none")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "range", "repeats", "long"])
@@ -62,7 +62,7 @@ def test_gguf_files_match_transformers_loading_them(tmp_path, qtype):
     tm.write_gguf(tmp_path / name, tm.random_weights(5), qtype)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=name,
                                                               dtype=torch.float32).eval()
-    runner = ModelRunner(tmp_path / name, block_size=8, num_blocks=64, num_threads=1)
+    runner = ModelRunner(tmp_path / name, block_size=8, num_blocks=64, num_threads=1, quantization="none")
     for prompt in PROMPTS:
         ours = oracle.runner_last_logits(runner, prompt)
         theirs = oracle.hf_last_logits(model, prompt)
@@ -76,7 +76,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     model = build_hf(tied=False, rope_scaling=scaling)
     model.save_pretrained(tmp_path)
     (tmp_path / "tokenizer.json").write_text(tm.tokenizer_json())
-    runner = ModelRunner(tmp_path, block_size=8, num_blocks=64, num_threads=1)
+    runner = ModelRunner(tmp_path, block_size=8, num_blocks=64, num_threads=1, quantization="none")
     prompt = PROMPTS[3]
     assert torch.allclose(oracle.runner_last_logits(runner, prompt), oracle.hf_last_logits(model, prompt),
                           atol=1e-4, rtol=1e-4)

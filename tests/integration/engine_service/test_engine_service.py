@@ -109,7 +109,9 @@ async def test_repeated_prompt_is_served_from_the_prefix_cache(stub, tokenizer):
     prompt = chat_ids(tokenizer, "Write one sentence about the sea. " * 6)
     first = await generate(stub, prompt_token_ids=prompt, max_tokens=4)
     second = await generate(stub, prompt_token_ids=prompt, max_tokens=4)
-    assert first[-1].usage.cached_tokens < 16
+    # at most the block of the chat template's system prompt, which earlier tests' prompts share
+    # (a float16 KV cache holds enough blocks that theirs are still cached)
+    assert first[-1].usage.cached_tokens <= 16
     assert second[-1].usage.cached_tokens >= (len(prompt) - 1) // 16 * 16 - 16
     assert second[-1].usage.cached_tokens > 0
     assert [t for m in first for t in m.token_ids] == [t for m in second for t in m.token_ids]

@@ -48,3 +48,12 @@ def test_flags_build_a_validated_config(tmp_path):
     assert c.metrics_port is None and c.etcd_endpoints == ("a:1", "b:2") and c.kv_cache_mb == 8
     with pytest.raises(SystemExit):
         parse_args(["--model-path", str(tmp_path), "--block-size", "12"])
+
+
+def test_the_default_is_the_fast_mode_and_exact_is_float32(tmp_path):
+    c = parse_args(["--model-path", str(tmp_path)])
+    assert c.quantization == "auto" and c.kv_cache_dtype is None  # the runner picks float16 KV
+    e = parse_args(["--model-path", str(tmp_path), "--exact"])
+    assert (e.quantization, e.dtype, e.kv_cache_dtype) == ("none", "float32", "float32")
+    with pytest.raises(SystemExit):  # --exact cannot be combined with a lossy setting
+        parse_args(["--model-path", str(tmp_path), "--exact", "--kv-cache-dtype", "float16"])

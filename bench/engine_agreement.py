@@ -1,0 +1,81 @@
+"""Greedy agreement of the engine's default weights with the float32-dequantized reference.
+
+    python bench/engine_agreement.py [--new-tokens 64]
+
+On the oracle prompts of tests/integration/engine_model (plain, chat, code, multilingual,
+list, a 1,000-token prompt prefilled in 256-token chunks), 64 greedy tokens from:
+  exact             --exact: float32 weights dequantized from the file, float32 KV cache
+  default           the service's defaults: the file's own blocks, float16 KV cache
+  default_kv32      the file's own blocks, float32 KV cache (summation order the only difference)
+For each mode and prompt: the first position where its tokens leave the exact path, the
+exact model's top-2 logit gap there (a near-tie means rounding chose), and the share of
+the 64 tokens equal position by position. Writes bench/results/engine_agreement.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.machine import machine_facts  # noqa: E402
+from services.engine.runner import ModelRunner  # noqa: E402
+from tests.integration.engine_model import oracle  # noqa: E402
+from tests.integration.engine_model.test_smollm_oracle import prompts  # noqa: E402
+from tokenserve.models import default_model_path  # noqa: E402
+from tokenserve.tokenization import load_model_tokenizer  # noqa: E402
+
+MODES = {"exact": dict(quantization="none", dtype="float32", kv_cache_dtype="float32"),
+         "default": dict(quantization="auto"),
+         "default_kv32": dict(quantization="auto", kv_cache_dtype="float32")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "engine_agreement.json")
+    a = ap.parse_args()
+    path = default_model_path()
+    cases = prompts(load_model_tokenizer(path))
+    tokens: dict[str, dict[str, list[int]]] = {}
+    runners = {}
+    for mode, kw in MODES.items():
+        runners[mode] = r = ModelRunner(path, num_blocks=160, **kw)
+        tokens[mode] = {name: oracle.runner_greedy(r, p, a.new_tokens, prefill_chunk=256 if len(p) > 500 else 10_000)
+                        for name, p in cases.items()}
+        if mode != "exact":
+            del runners[mode]
+    exact = runners["exact"]
+    report: dict[str, dict] = {}
+    for mode in MODES:
+        if mode == "exact":
+            continue
+        per = {}
+        for name, p in cases.items():
+            ref, got = tokens["exact"][name], tokens[mode][name]
+            first = next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), None)
+            entry = {"same_tokens": sum(x == y for x, y in zip(ref, got)) / len(ref), "first_divergence": first}
+            if first is not None:
+                top = oracle.runner_last_logits(exact, p + ref[:first]).topk(2)
+                entry["exact_top2_gap_there"] = round((top.values[0] - top.values[1]).item(), 5)
+                entry["its_token_is_exact_second_best"] = got[first] == top.indices[1].item()
+            per[name] = entry
+            print(mode, name, entry, flush=True)
+        report[mode] = {"prompts": per,
+                        "identical_prompts": sum(e["first_divergence"] is None for e in per.values()),
+                        "of": len(per)}
+    out = {"benchmark": "engine_agreement", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "model": path.name, "new_tokens": a.new_tokens, "modes": {k: v for k, v in MODES.items()},
+           "machine": {k: v for k, v in machine_facts().items() if k != "cpu_flags"},
+           "vs_exact": report}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=2))
+    print(a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""A GGUF file's own quantized weights, multiplied in their blocks (kernels/gguf_linear.c).
+
+`GGUFWeight` holds one weight matrix exactly as the file stores it: N rows of blocks of one
+block format (Q8_0, Q4_0, Q4_1, Q4_K or Q6_K), as raw bytes. `linear(lib, x, w)` computes
+x @ w.T in float32, dequantizing each block in registers with the same float32 operations
+as the reference dequantizer, so it computes with exactly the numbers in the file; decode
+reads 0.5625 (Q4_0, Q4_K), 0.625 (Q4_1) or 0.82 (Q6_K) bytes per weight instead of int8's 1
+or float32's 4.
+
+Instruction sets: the C source is built once per ISA this module knows (`ISAS`, best first)
+and `load()` returns the best build the CPU runs (AVX-512 where /proc/cpuinfo lists F, BW, VL
+and DQ; else AVX2/FMA/F16C); None where neither fits or nothing compiles (callers then
+dequantize once and multiply with torch).
+"""
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.engine import cpu_kernels
+from tokenserve.runtime.logging import get_logger
+
+log = get_logger(component="engine.gguf_kernels")
+
+# block format -> (GGML type id, also the kernel's format code; weights per block; bytes per block)
+FORMATS: dict[str, tuple[int, int, int]] = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20),
+                                            "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
+# ISA name -> (compiler flags, /proc/cpuinfo flags it needs), best first
+ISAS: dict[str, tuple[list[str], frozenset[str]]] = {
+    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+               frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"})),
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], frozenset({"avx2", "fma", "f16c"})),
+}
+# Reproduces the reference dequantizer's rounding: its multiply and add are never fused.
+_CFLAGS = ["-ffp-contract=off"]
+
+_libs: dict[str, ctypes.CDLL | None] = {}
+
+
+def runnable_isas() -> list[str]:
+    """The ISAs of `ISAS` this CPU runs, best first."""
+    have = cpu_kernels.cpu_flags()
+    return [isa for isa, (_, need) in ISAS.items() if need <= have]
+
+
+def load(isa: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL | None:
+    """The kernel built for `isa` (default: the best this CPU runs), or None where none can be
+    built or run here."""
+    if isa is None:
+        isas = runnable_isas()
+        if not isas:
+            log.info("gguf_kernels_unavailable", reason="cpu lacks avx2, fma or f16c")
+            return None
+        isa = isas[0]
+    if isa in _libs:
+        return _libs[isa]
+    lib = None
+    try:
+        so = cpu_kernels.build("gguf_linear.c", [*ISAS[isa][0], *_CFLAGS], cache_dir)
+        lib = ctypes.CDLL(str(so))
+        lib.gguf_linear.restype = ctypes.c_int
+        lib.gguf_linear.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        lib.gguf_dequantize.restype = ctypes.c_int
+        lib.gguf_dequantize.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.gguf_isa.restype = ctypes.c_char_p
+        log.info("gguf_kernels_loaded", isa=lib.gguf_isa().decode())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("gguf_kernels_unavailable", isa=isa, reason=f"{type(e).__name__}: {e}"[:300])
+        lib = None
+    _libs[isa] = lib
+    return lib
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """One [N, K] weight matrix in its file blocks: `blocks` is uint8 [N, K / block weights *
+    block bytes]."""
+
+    kind: str
+    blocks: torch.Tensor
+    shape: tuple[int, int]
+
+    def __post_init__(self):
+        n, k = self.shape
+        if self.kind not in FORMATS:
+            raise ValueError(f"block format {self.kind} has no kernel (have {', '.join(FORMATS)})")
+        _, per, size = FORMATS[self.kind]
+        if k % per or tuple(self.blocks.shape) != (n, k // per * size):
+            raise ValueError(f"{self.kind} blocks {tuple(self.blocks.shape)} do not hold a {n}x{k} matrix")
+
+    @staticmethod
+    def cat(parts: list["GGUFWeight"]) -> "GGUFWeight | None":
+        """The rows of `parts` stacked, or None when their formats or widths differ."""
+        if len({(p.kind, p.shape[1]) for p in parts}) != 1:
+            return None
+        return GGUFWeight(parts[0].kind, torch.cat([p.blocks for p in parts]).contiguous(),
+                          (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+    def rows(self, index: torch.Tensor) -> "GGUFWeight":
+        """The rows `index` selects, in that order (row permutations are exact on blocks)."""
+        return GGUFWeight(self.kind, self.blocks[index].contiguous(), (len(index), self.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], by the gguf package's reference dequantizer."""
+        import gguf
+
+        qtype = gguf.GGMLQuantizationType(FORMATS[self.kind][0])
+        array = gguf.quants.dequantize(self.blocks.numpy(), qtype)
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(self.shape)
+
+
+def linear(lib: ctypes.CDLL, x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """x: float32 [M, K] (made contiguous) -> x @ w.T, float32 [M, N]."""
+    x = x.contiguous()
+    n, k = w.shape
+    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    rc = lib.gguf_linear(FORMATS[w.kind][0], x.data_ptr(), w.blocks.data_ptr(), y.data_ptr(),
+                         x.shape[0], n, k)
+    if rc != 0:
+        raise ValueError(f"gguf_linear rejected a {w.kind} {n}x{k} matrix")
+    return y
+
+
+def dequantize(lib: ctypes.CDLL, w: GGUFWeight) -> torch.Tensor:
+    """float32 [N, K] by the kernel's own in-register dequantization (tests compare it with
+    `GGUFWeight.dequantize`)."""
+    out = torch.empty(w.shape, dtype=torch.float32)
+    if lib.gguf_dequantize(FORMATS[w.kind][0], w.blocks.data_ptr(), out.data_ptr(), *w.shape) != 0:
+        raise ValueError(f"gguf_dequantize rejected a {w.kind} {w.shape} matrix")
+    return out

@@ -1,0 +1,335 @@
+/* The engine's fused AVX2 kernels (cpu_kernels.py documents each and builds this file at
+   first use with -mavx2 -mfma -mf16c -fopenmp; callers fall back to torch without AVX2). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* Work items are handed out dynamically everywhere: on a shared 2-core machine, when one
+   thread is preempted the other takes over the items it has not started, instead of
+   waiting for a static half of the work (measured: a 16-row decode step with another
+   process waking every 2 ms went from 1.6x to 1.2x its quiet time). Element-wise kernels
+   stay on one thread below this size (a parallel region costs more than the work). */
+#define PARALLEL_MIN_ELEMS (1 << 16)
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* Weight-only int8 GEMM over weights packed in blocks of 8 output channels:
+   p[(b * K + k) * 8 + i] = q[b * 8 + i, k]. A block's 8 weights at one k are one 8-byte load
+   converted to a float vector (lanes = output channels), multiplied by x[m, k] broadcast for
+   MR rows at once. y[m, n] is one FMA chain over k = 0..K-1 in order, then times scale[n], in
+   every tile shape: a row's result is bit-identical whatever M is and whatever tile computed
+   it (a sequence's logits do not depend on the rest of the batch). Tiles of NB blocks x MR
+   rows keep NB * MR = 12 accumulators in registers; for a few rows (decodes) converting
+   each weight as it is used is cheapest. */
+#define UNROLL _Pragma("GCC unroll 12")
+#define PTILE(NB, MR)                                                                       \
+static inline void ptile_##NB##x##MR(const float *x, const int8_t *p, const float *scale,  \
+                                     float *y, int64_t m0, int64_t b0, int64_t N, int64_t K) { \
+    __m256 acc[NB][MR];                                                                     \
+    UNROLL for (int b = 0; b < NB; b++)                                                     \
+        UNROLL for (int j = 0; j < MR; j++) acc[b][j] = _mm256_setzero_ps();                \
+    const float *xr = x + m0 * K;                                                           \
+    for (int64_t k = 0; k < K; k++) {                                                       \
+        UNROLL for (int b = 0; b < NB; b++) {                                               \
+            __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                             \
+                _mm_loadl_epi64((const __m128i *)(p + ((b0 + b) * K + k) * 8))));           \
+            UNROLL for (int j = 0; j < MR; j++)                                             \
+                acc[b][j] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(xr + j * K + k), acc[b][j]); \
+        }                                                                                   \
+    }                                                                                       \
+    UNROLL for (int b = 0; b < NB; b++) {                                                   \
+        int64_t n = (b0 + b) * 8;                                                           \
+        __m256 sc = _mm256_loadu_ps(scale + n);                                             \
+        UNROLL for (int j = 0; j < MR; j++) {                                               \
+            float *yr = y + (m0 + j) * N + n;                                               \
+            __m256 r = _mm256_mul_ps(acc[b][j], sc);                                        \
+            if (n + 8 <= N) {                                                               \
+                _mm256_storeu_ps(yr, r);                                                    \
+            } else {                                                                        \
+                float t[8];                                                                 \
+                _mm256_storeu_ps(t, r);                                                     \
+                for (int64_t i = 0; n + i < N; i++) yr[i] = t[i];                           \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+}
+PTILE(2, 6)
+PTILE(3, 4)
+PTILE(4, 3)
+PTILE(6, 2)
+PTILE(12, 1)
+
+/* The same products for many rows: two blocks' weights are converted to a float panel
+   [K][16] once (L1/L2-resident) and shared by every 6-row tile, so the inner loop is two
+   aligned loads, 6 broadcasts and 12 FMAs per k. Same FMA chain per output as the tiles
+   above: the results are bit-identical to them. */
+#define FTILE(MR)                                                                           \
+static inline void ftile_##MR(const float *x, const float *w, const float *scale, float *y, \
+                              int64_t m0, int64_t n0, int64_t N, int64_t K) {               \
+    __m256 a0[MR], a1[MR];                                                                  \
+    UNROLL for (int j = 0; j < MR; j++) a0[j] = a1[j] = _mm256_setzero_ps();                \
+    const float *xr = x + m0 * K;                                                           \
+    for (int64_t k = 0; k < K; k++) {                                                       \
+        __m256 w0 = _mm256_load_ps(w + k * 16), w1 = _mm256_load_ps(w + k * 16 + 8);        \
+        UNROLL for (int j = 0; j < MR; j++) {                                               \
+            __m256 xv = _mm256_broadcast_ss(xr + j * K + k);                                \
+            a0[j] = _mm256_fmadd_ps(w0, xv, a0[j]);                                         \
+            a1[j] = _mm256_fmadd_ps(w1, xv, a1[j]);                                         \
+        }                                                                                   \
+    }                                                                                       \
+    __m256 s0 = _mm256_loadu_ps(scale + n0), s1 = _mm256_loadu_ps(scale + n0 + 8);          \
+    UNROLL for (int j = 0; j < MR; j++) {                                                   \
+        float *yr = y + (m0 + j) * N + n0;                                                  \
+        float t[16];                                                                        \
+        _mm256_storeu_ps(t, _mm256_mul_ps(a0[j], s0));                                      \
+        _mm256_storeu_ps(t + 8, _mm256_mul_ps(a1[j], s1));                                  \
+        for (int64_t i = 0; i < 16 && n0 + i < N; i++) yr[i] = t[i];                        \
+    }                                                                                       \
+}
+FTILE(6)
+FTILE(5)
+FTILE(4)
+FTILE(3)
+FTILE(2)
+FTILE(1)
+
+static void int8_linear_panels(const float *x, const int8_t *p, const float *scale, float *y,
+                               int64_t M, int64_t N, int64_t K) {
+    int64_t groups = (N + 95) / 96;
+    #pragma omp parallel
+    {
+        float *w = (float *)aligned_alloc(32, sizeof(float) * 16 * K);
+        #pragma omp for schedule(dynamic)
+        for (int64_t g = 0; g < groups; g++) {
+            for (int64_t b = g * 12; b < g * 12 + 12; b += 2) {
+                if (b * 8 >= N) break;
+                for (int64_t k = 0; k < K; k++) {
+                    _mm256_store_ps(w + k * 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(p + (b * K + k) * 8)))));
+                    _mm256_store_ps(w + k * 16 + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(p + ((b + 1) * K + k) * 8)))));
+                }
+                int64_t m = 0;
+                for (; m + 6 <= M; m += 6) ftile_6(x, w, scale, y, m, b * 8, N, K);
+                switch (M - m) {
+                    case 5: ftile_5(x, w, scale, y, m, b * 8, N, K); break;
+                    case 4: ftile_4(x, w, scale, y, m, b * 8, N, K); break;
+                    case 3: ftile_3(x, w, scale, y, m, b * 8, N, K); break;
+                    case 2: ftile_2(x, w, scale, y, m, b * 8, N, K); break;
+                    case 1: ftile_1(x, w, scale, y, m, b * 8, N, K); break;
+                }
+            }
+        }
+        free(w);
+    }
+}
+
+/* x: float32 [M, K]; p: packed int8, ceil(N / 96) * 12 blocks (zero-padded); scale: float32,
+   padded like p; y: float32 [M, N]. Groups of 12 blocks (96 channels) are split across the
+   OpenMP team. From 12 rows on, the float panels above; below that, the int8 tiles straight
+   from the packed weights (6, 4, 3, 2 or 1 rows at a time, 12 accumulators each). */
+void int8_linear(const float *x, const int8_t *p, const float *scale, float *y,
+                 int64_t M, int64_t N, int64_t K) {
+    if (M >= 12) {
+        int8_linear_panels(x, p, scale, y, M, N, K);
+        return;
+    }
+    int64_t groups = (N + 95) / 96;
+    #pragma omp parallel for schedule(dynamic)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t b0 = g * 12, m = 0;
+        if (M - m >= 6) {
+            for (int64_t b = 0; b < 12; b += 2) ptile_2x6(x, p, scale, y, m, b0 + b, N, K);
+            m += 6;
+        }
+        if (M - m >= 4) {
+            for (int64_t b = 0; b < 12; b += 3) ptile_3x4(x, p, scale, y, m, b0 + b, N, K);
+            m += 4;
+        }
+        if (M - m == 3) {
+            for (int64_t b = 0; b < 12; b += 4) ptile_4x3(x, p, scale, y, m, b0 + b, N, K);
+        } else if (M - m == 2) {
+            for (int64_t b = 0; b < 12; b += 6) ptile_6x2(x, p, scale, y, m, b0 + b, N, K);
+        } else if (M - m == 1) {
+            ptile_12x1(x, p, scale, y, m, b0, N, K);
+        }
+    }
+}
+
+/* exp for lanes in [-88, 88] (Cephes polynomial, ~1 ulp); inputs are clamped to that range. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 lim = _mm256_set1_ps(88.3762626647949f);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* One query token per sequence over its paged K/V, read in place through its block table.
+   q, out: [B, H, D]; kc, vc: [num_blocks, bs, Hkv, D] of float32 (paged_decode_attention) or
+   float16 (paged_decode_attention_f16, converted as loaded); tables: [B, max_nb]; ctx: [B].
+   Query head h uses KV head h / (H / Hkv). D % 8 == 0. Each (sequence, KV head) is one task:
+   the offsets of its L cached rows (walked block by block, no division per row), scores for
+   its G query heads (8 key rows at a time, independent FMA chains), softmax, then the
+   probability-weighted sum of V rows (64 output lanes held in registers). */
+#define PAGED_DECODE_ATTENTION(NAME, T, LOAD)                                                             \
+void NAME(const float *q, const T *kc, const T *vc, const int64_t *tables,                                \
+          const int64_t *ctx, float *out, int64_t B, int64_t H, int64_t Hkv,                              \
+          int64_t D, int64_t bs, int64_t max_nb, float scale) {                                           \
+    int64_t G = H / Hkv, row = Hkv * D;                                                                   \
+    _Pragma("omp parallel for schedule(dynamic)")                                                         \
+    for (int64_t task = 0; task < B * Hkv; task++) {                                                      \
+        int64_t b = task / Hkv, hk = task % Hkv, L = ctx[b];                                              \
+        const int64_t *table = tables + b * max_nb;                                                       \
+        int64_t Lp = (L + 7) & ~(int64_t)7;                                                               \
+        float *p = (float *)malloc(sizeof(float) * G * Lp + sizeof(int64_t) * Lp);                        \
+        int64_t *off = (int64_t *)(p + G * Lp);                                                           \
+        for (int64_t l = 0, blk = 0; l < L; blk++)                                                        \
+            for (int64_t i = 0; i < bs && l < L; i++, l++) off[l] = (table[blk] * bs + i) * row + hk * D; \
+        for (int64_t l = L; l < Lp; l++) off[l] = off[0];                                                 \
+        const float *qb = q + (b * H + hk * G) * D;                                                       \
+        for (int64_t l0 = 0; l0 < L; l0 += 8) {                                                           \
+            int64_t n = L - l0 < 8 ? L - l0 : 8;                                                          \
+            const T *kr[8];                                                                               \
+            for (int64_t i = 0; i < 8; i++) kr[i] = kc + off[l0 + i];                                     \
+            for (int64_t g = 0; g < G; g++) {                                                             \
+                const float *qg = qb + g * D;                                                             \
+                __m256 a[8];                                                                              \
+                for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();                                   \
+                for (int64_t d = 0; d < D; d += 8) {                                                      \
+                    __m256 qv = _mm256_loadu_ps(qg + d);                                                  \
+                    for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, LOAD(kr[i] + d), a[i]);        \
+                }                                                                                         \
+                for (int64_t i = 0; i < n; i++) p[g * Lp + l0 + i] = hsum(a[i]) * scale;                  \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int64_t g = 0; g < G; g++) {                                                                 \
+            float *pg = p + g * Lp;                                                                       \
+            float mx = pg[0];                                                                             \
+            for (int64_t l = 1; l < L; l++) mx = pg[l] > mx ? pg[l] : mx;                                 \
+            for (int64_t l = L; l < Lp; l++) pg[l] = mx - 1000.0f;  /* exp underflows to ~0 */            \
+            __m256 mxv = _mm256_set1_ps(mx);                                                              \
+            for (int64_t l = 0; l < Lp; l += 8)                                                           \
+                _mm256_storeu_ps(pg + l, exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + l), mxv)));            \
+            float sum = 0.0f;                                                                             \
+            for (int64_t l = 0; l < L; l++) sum += pg[l];  /* padding lanes left out exactly */           \
+            float inv = 1.0f / sum;                                                                       \
+            float *o = out + (b * H + hk * G + g) * D;                                                    \
+            int64_t d0 = 0;                                                                               \
+            for (; d0 + 64 <= D; d0 += 64) {                                                              \
+                __m256 acc[8];                                                                            \
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();                                 \
+                for (int64_t l = 0; l < L; l++) {                                                         \
+                    const T *vr = vc + off[l] + d0;                                                       \
+                    __m256 w = _mm256_set1_ps(pg[l]);                                                     \
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, LOAD(vr + 8 * i), acc[i]);    \
+                }                                                                                         \
+                for (int i = 0; i < 8; i++)                                                               \
+                    _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));         \
+            }                                                                                             \
+            for (; d0 < D; d0 += 8) {                                                                     \
+                __m256 acc = _mm256_setzero_ps();                                                         \
+                for (int64_t l = 0; l < L; l++)                                                           \
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(pg[l]), LOAD(vc + off[l] + d0), acc);            \
+                _mm256_storeu_ps(o + d0, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));                        \
+            }                                                                                             \
+        }                                                                                                 \
+        free(p);                                                                                          \
+    }                                                                                                     \
+}
+
+#define LOAD_F32(ptr) _mm256_loadu_ps(ptr)
+#define LOAD_F16(ptr) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ptr)))
+PAGED_DECODE_ATTENTION(paged_decode_attention, float, LOAD_F32)
+PAGED_DECODE_ATTENTION(paged_decode_attention_f16, uint16_t, LOAD_F16)
+
+/* gu: [M, 2I] (gate columns, then up columns) -> out: [M, I] = silu(gate) * up. */
+void silu_mul(const float *gu, float *out, int64_t M, int64_t I) {
+    #pragma omp parallel for schedule(dynamic) if (M * I >= PARALLEL_MIN_ELEMS)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+        int64_t k = 0;
+        for (; k + 8 <= I; k += 8) {
+            __m256 gv = _mm256_loadu_ps(g + k);
+            __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + k, _mm256_mul_ps(s, _mm256_loadu_ps(u + k)));
+        }
+        for (; k < I; k++) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+    }
+}
+
+/* Index of the first largest value of each row of x: [M, V], with torch.argmax's rules: ties
+   go to the first index, and a NaN counts as the largest value (the first NaN wins). */
+void argmax_rows(const float *x, int64_t *out, int64_t M, int64_t V) {
+    #pragma omp parallel for schedule(dynamic) if (M * V >= PARALLEL_MIN_ELEMS)
+    for (int64_t m = 0; m < M; m++) {
+        const float *r = x + m * V;
+        int64_t v = 0, best;
+        float bv = r[0];
+        int nan = r[0] != r[0];
+        if (V >= 8) {  /* vector pass for the maximum (and any NaN), then its first index */
+            __m256 mx = _mm256_loadu_ps(r);
+            __m256 un = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);
+            for (v = 8; v + 8 <= V; v += 8) {
+                __m256 xv = _mm256_loadu_ps(r + v);
+                un = _mm256_or_ps(un, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+                mx = _mm256_max_ps(mx, xv);
+            }
+            nan |= _mm256_movemask_ps(un) != 0;
+            float t[8];
+            _mm256_storeu_ps(t, mx);
+            for (int i = 0; i < 8; i++) bv = t[i] > bv ? t[i] : bv;
+        }
+        for (; v < V; v++) {
+            nan |= r[v] != r[v];
+            bv = r[v] > bv ? r[v] : bv;
+        }
+        if (nan)
+            for (best = 0; r[best] == r[best]; best++) {}
+        else
+            for (best = 0; r[best] != bv; best++) {}
+        out[m] = best;
+    }
+}
+
+/* x: [M, K] (updated in place with delta when delta != 0), w: [K], out: [M, K]. K % 8 == 0. */
+void add_rmsnorm(float *x, const float *delta, const float *w, float *out,
+                 int64_t M, int64_t K, float eps) {
+    #pragma omp parallel for schedule(dynamic) if (M * K >= PARALLEL_MIN_ELEMS)
+    for (int64_t m = 0; m < M; m++) {
+        float *xr = x + m * K;
+        float *o = out + m * K;
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 v = _mm256_loadu_ps(xr + k);
+            if (delta) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(delta + m * K + k));
+                _mm256_storeu_ps(xr + k, v);
+            }
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        float r = 1.0f / sqrtf(hsum(ss) / (float)K + eps);
+        __m256 rv = _mm256_set1_ps(r);
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + k), rv);
+            _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_loadu_ps(w + k), v));
+        }
+    }
+}

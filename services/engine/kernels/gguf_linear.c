@@ -1,0 +1,397 @@
+/* Linear layers over a GGUF file's own quantized blocks: y[m, n] = sum_k x[m, k] * w[n, k].
+
+   Built twice from this one source (cpu_kernels.py picks the build the CPU runs):
+     -mavx2 -mfma -mf16c                  8 float lanes (the baseline every x86 here has)
+     -mavx512f -mavx512bw -mavx512vl ...  16 float lanes (where /proc/cpuinfo lists them)
+
+   w is read in the file's layout: row n is K / 32 consecutive blocks of the file's type.
+     Q8_0 (34 bytes): f16 d, 32 x int8 q                    w = d * q
+     Q4_0 (18 bytes): f16 d, 16 bytes of nibbles            w = d * (q - 8)
+     Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of nibbles     w = d * q + m
+     Q4_K (144 bytes per 256): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins of eight
+          sub-blocks of 32, 128 bytes of nibbles           w = (d * sc) * q - dmin * mn
+     Q6_K (210 bytes per 256): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
+          scales (one per 16 weights), f16 d              w = (d * sc) * (q - 32)
+   (Q4_0/Q4_1 nibbles: byte i holds element i in its low half and element i + 16 in its high
+   half; Q4_K: sub-blocks 2g and 2g + 1 are the low and high halves of bytes 32g .. 32g + 31).
+   Every format is walked in units of 32 weights ("blocks"; a Q4_K sub-block is one).
+   Each weight is dequantized in registers with exactly the float32 operations of the
+   reference dequantizer (gguf-py: one multiply, then for Q4_1 one add, never fused), so the
+   products use exactly the numbers the float32-dequantized model uses; only the summation
+   order differs from a float32 GEMM over those weights.
+
+   y[m, n] is one FMA chain over k in vector-width chunks, in order, then one horizontal sum
+   in a fixed order, in every path: a row's result is bit-identical whatever M is and
+   whatever tile computed it (a sequence's logits do not depend on the rest of the batch).
+   For a few rows (decodes) the weights are converted as they are used; from PANEL_MIN_ROWS
+   rows on, a work item's rows are dequantized once into a float panel (L1/L2-resident) that
+   every tile of rows then reads. Work items (GROUP output rows) are handed out dynamically
+   across the OpenMP team, so a preempted thread's items are taken over by the other. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+#define GROUP 16            /* output rows per work item */
+#define PANEL_MIN_ROWS 4
+
+enum { FMT_Q8_0 = 8, FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q4_K = 12, FMT_Q6_K = 14 };
+
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define vzero() _mm512_setzero_ps()
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vmul(a, b) _mm512_mul_ps(a, b)
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vset1(a) _mm512_set1_ps(a)
+#define vload(p) _mm512_loadu_ps(p)
+#define vloada(p) _mm512_load_ps(p)
+#define vstorea(p, v) _mm512_store_ps(p, v)
+#define vcvt(i) _mm512_cvtepi32_ps(i)
+#define ISA_NAME "avx512"
+static inline float vhsum(vf v) {
+    __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
+    return _mm_cvtss_f32(t);
+}
+/* chunk c (0..1) of a block: 16 signed bytes; 16 nibbles (low halves, then high halves) */
+static inline vi load_i8(const uint8_t *q, int c) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + c * VW)));
+}
+static inline vi load_nib(const uint8_t *q, int c) {
+    vi b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    return c == 0 ? _mm512_and_si512(b, _mm512_set1_epi32(15)) : _mm512_srli_epi32(b, 4);
+}
+#define vsub_i(a, b) _mm512_sub_epi32(a, _mm512_set1_epi32(b))
+#define vsub(a, b) _mm512_sub_ps(a, b)
+static inline vi load_u8(const uint8_t *q) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)); }
+#define vand15(v) _mm512_and_si512(v, _mm512_set1_epi32(15))
+#define vsrl4(v) _mm512_srli_epi32(v, 4)
+#define vsrl(v, n) _mm512_srli_epi32(v, n)
+#define vsll4(v) _mm512_slli_epi32(v, 4)
+#define vand3(v) _mm512_and_si512(v, _mm512_set1_epi32(3))
+#define vor(a, b) _mm512_or_si512(a, b)
+#else
+#define VW 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define vzero() _mm256_setzero_ps()
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vmul(a, b) _mm256_mul_ps(a, b)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vset1(a) _mm256_set1_ps(a)
+#define vload(p) _mm256_loadu_ps(p)
+#define vloada(p) _mm256_load_ps(p)
+#define vstorea(p, v) _mm256_store_ps(p, v)
+#define vcvt(i) _mm256_cvtepi32_ps(i)
+#define ISA_NAME "avx2"
+static inline float vhsum(vf v) {
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
+    return _mm_cvtss_f32(t);
+}
+/* chunk c (0..3) of a block: 8 signed bytes; 8 nibbles (chunks 0-1 low halves, 2-3 high) */
+static inline vi load_i8(const uint8_t *q, int c) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + c * VW)));
+}
+static inline vi load_nib(const uint8_t *q, int c) {
+    vi b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + (c & 1) * 8)));
+    return c < 2 ? _mm256_and_si256(b, _mm256_set1_epi32(15)) : _mm256_srli_epi32(b, 4);
+}
+#define vsub_i(a, b) _mm256_sub_epi32(a, _mm256_set1_epi32(b))
+#define vsub(a, b) _mm256_sub_ps(a, b)
+static inline vi load_u8(const uint8_t *q) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)); }
+#define vand15(v) _mm256_and_si256(v, _mm256_set1_epi32(15))
+#define vsrl4(v) _mm256_srli_epi32(v, 4)
+#define vsrl(v, n) _mm256_srli_epi32(v, n)
+#define vsll4(v) _mm256_slli_epi32(v, 4)
+#define vand3(v) _mm256_and_si256(v, _mm256_set1_epi32(3))
+#define vor(a, b) _mm256_or_si256(a, b)
+#endif
+
+#define NCH (QK / VW)  /* vector chunks per block */
+#define UNROLL _Pragma("GCC unroll 16")
+
+const char *gguf_isa(void) { return ISA_NAME; }
+
+int64_t gguf_block_bytes(int fmt) {
+    switch (fmt) {
+        case FMT_Q8_0: return 34;
+        case FMT_Q4_0: return 18;
+        case FMT_Q4_1: return 20;
+        case FMT_Q4_K: return 144;
+        case FMT_Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+/* weights per stored block */
+static inline int64_t block_weights(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q6_K ? 256 : QK; }
+
+/* Bytes of one row of K weights, or 0 where K does not fill whole blocks. */
+static inline int64_t row_bytes(int fmt, int64_t K) {
+    int64_t bw = block_weights(fmt);
+    return K % bw ? 0 : K / bw * gguf_block_bytes(fmt);
+}
+
+/* Q4_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes s. */
+static inline void q4k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Scales of the 32-weight block b of a row: d (and m for Q4_1, Q4_K). */
+static inline __attribute__((always_inline)) void scales(int fmt, const uint8_t *row, int64_t b,
+                                                         vf *d, vf *m) {
+    if (fmt == FMT_Q4_K) {
+        const uint8_t *sb = row + (b >> 3) * 144;
+        int sc, mn;
+        q4k_scale_min(sb + 4, (int)(b & 7), &sc, &mn);
+        *d = vset1(f16(sb) * (float)sc);
+        *m = vset1(f16(sb + 2) * (float)mn);
+        return;
+    }
+    if (fmt == FMT_Q6_K) {  /* d; each chunk's own scale is applied in dequant */
+        *d = vset1(f16(row + (b >> 3) * 210 + 208));
+        *m = vzero();
+        return;
+    }
+    const uint8_t *blk = row + b * gguf_block_bytes(fmt);
+    *d = vset1(f16(blk));
+    *m = fmt == FMT_Q4_1 ? vset1(f16(blk + 2)) : vzero();
+}
+
+/* Weights of chunk c of one block, exactly as the reference dequantizer computes them. */
+static inline __attribute__((always_inline)) vf dequant(int fmt, const uint8_t *row, int64_t b,
+                                                        int c, vf d, vf m) {
+    if (fmt == FMT_Q4_K) {
+        const uint8_t *q = row + (b >> 3) * 144 + 16 + ((b & 7) >> 1) * 32 + c * VW;
+        vi v = load_u8(q);
+        v = (b & 1) ? vsrl4(v) : vand15(v);
+        return vsub(vmul(d, vcvt(v)), m);
+    }
+    if (fmt == FMT_Q6_K) {
+        /* sub-block j of the super-block: its low nibbles are bytes (j / 4) * 64 + (j & 1) * 32
+           onward shifted by ((j & 3) >> 1) * 4, its high pairs bytes (j / 4) * 32 onward
+           shifted by (j & 3) * 2; weights 16i .. 16i + 15 share int8 scale i */
+        const uint8_t *sb = row + (b >> 3) * 210;
+        int j = (int)(b & 7);
+        vi lo = load_u8(sb + (j >> 2) * 64 + (j & 1) * 32 + c * VW);
+        vi hi = load_u8(sb + 128 + (j >> 2) * 32 + c * VW);
+        lo = vand15(vsrl(lo, ((j & 3) >> 1) * 4));
+        hi = vand3(vsrl(hi, (j & 3) * 2));
+        vi q = vsub_i(vor(lo, vsll4(hi)), 32);
+        float sc = (float)(int8_t)sb[192 + j * 2 + (c * VW) / 16];
+        return vmul(vmul(d, vset1(sc)), vcvt(q));
+    }
+    const uint8_t *blk = row + b * gguf_block_bytes(fmt);
+    switch (fmt) {
+        case FMT_Q8_0: return vmul(vcvt(load_i8(blk + 2, c)), d);
+        case FMT_Q4_0: return vmul(d, vcvt(vsub_i(load_nib(blk + 2, c), 8)));
+        default: return vadd(vmul(d, vcvt(load_nib(blk + 4, c))), m);
+    }
+}
+
+/* Direct tile: NR output rows x MR input rows, converting each weight chunk as it is used. */
+#define DTILE(NR, MR)                                                                      \
+static inline __attribute__((always_inline)) void dtile_##NR##x##MR(int fmt, const float *x, const uint8_t *w, float *y, \
+                                     int64_t m0, int64_t n0, int64_t N, int64_t K,         \
+                                     int64_t rb) {                             \
+    vf acc[NR][MR];                                                                        \
+    UNROLL for (int r = 0; r < NR; r++)                                                    \
+        UNROLL for (int j = 0; j < MR; j++) acc[r][j] = vzero();                           \
+    const float *xr = x + m0 * K;                                                          \
+    for (int64_t b = 0; b < K / QK; b++) {                                                 \
+        vf d[NR], mm[NR];                                                                  \
+        UNROLL for (int r = 0; r < NR; r++) scales(fmt, w + (n0 + r) * rb, b, &d[r], &mm[r]); \
+        UNROLL for (int c = 0; c < NCH; c++) {                                             \
+            UNROLL for (int r = 0; r < NR; r++) {                                          \
+                vf wv = dequant(fmt, w + (n0 + r) * rb, b, c, d[r], mm[r]);                \
+                UNROLL for (int j = 0; j < MR; j++)                                        \
+                    acc[r][j] = vfma(wv, vload(xr + j * K + b * QK + c * VW), acc[r][j]);  \
+            }                                                                              \
+        }                                                                                  \
+    }                                                                                      \
+    UNROLL for (int r = 0; r < NR; r++)                                                    \
+        UNROLL for (int j = 0; j < MR; j++) y[(m0 + j) * N + n0 + r] = vhsum(acc[r][j]);   \
+}
+DTILE(4, 1)
+DTILE(4, 2)
+DTILE(4, 3)
+DTILE(1, 1)
+DTILE(1, 2)
+DTILE(1, 3)
+
+/* Panel tile: NR rows of the float panel p ([rows][K], aligned) x MR input rows. */
+#define PTILE(NR, MR)                                                                      \
+static inline void ptile_##NR##x##MR(const float *x, const float *p, float *y, int64_t m0, \
+                                     int64_t n0, int64_t N, int64_t K) {                   \
+    vf acc[NR][MR];                                                                        \
+    UNROLL for (int r = 0; r < NR; r++)                                                    \
+        UNROLL for (int j = 0; j < MR; j++) acc[r][j] = vzero();                           \
+    const float *xr = x + m0 * K;                                                          \
+    for (int64_t k = 0; k < K; k += VW) {                                                  \
+        UNROLL for (int r = 0; r < NR; r++) {                                              \
+            vf wv = vloada(p + r * K + k);                                                 \
+            UNROLL for (int j = 0; j < MR; j++)                                            \
+                acc[r][j] = vfma(wv, vload(xr + j * K + k), acc[r][j]);                    \
+        }                                                                                  \
+    }                                                                                      \
+    UNROLL for (int r = 0; r < NR; r++)                                                    \
+        UNROLL for (int j = 0; j < MR; j++) y[(m0 + j) * N + n0 + r] = vhsum(acc[r][j]);   \
+}
+#if VW == 16
+#define PNR 4
+#define PMR 6
+PTILE(4, 6) PTILE(4, 5) PTILE(4, 4) PTILE(4, 3) PTILE(4, 2) PTILE(4, 1)
+#else
+#define PNR 2
+#define PMR 5
+PTILE(2, 5) PTILE(2, 4) PTILE(2, 3) PTILE(2, 2) PTILE(2, 1)
+#endif
+PTILE(1, 4) PTILE(1, 3) PTILE(1, 2) PTILE(1, 1)
+
+static inline void panel_rows(const float *x, const float *pan, float *y, int64_t M,
+                       int64_t n0, int64_t nr, int64_t N, int64_t K) {
+    int64_t r = 0;
+    for (; r + PNR <= nr; r += PNR) {
+        const float *p = pan + r * K;
+        int64_t m = 0;
+        for (; m + PMR <= M; m += PMR) {
+#if VW == 16
+            ptile_4x6(x, p, y, m, n0 + r, N, K);
+#else
+            ptile_2x5(x, p, y, m, n0 + r, N, K);
+#endif
+        }
+        switch (M - m) {
+#if VW == 16
+            case 5: ptile_4x5(x, p, y, m, n0 + r, N, K); break;
+            case 4: ptile_4x4(x, p, y, m, n0 + r, N, K); break;
+            case 3: ptile_4x3(x, p, y, m, n0 + r, N, K); break;
+            case 2: ptile_4x2(x, p, y, m, n0 + r, N, K); break;
+            case 1: ptile_4x1(x, p, y, m, n0 + r, N, K); break;
+#else
+            case 4: ptile_2x4(x, p, y, m, n0 + r, N, K); break;
+            case 3: ptile_2x3(x, p, y, m, n0 + r, N, K); break;
+            case 2: ptile_2x2(x, p, y, m, n0 + r, N, K); break;
+            case 1: ptile_2x1(x, p, y, m, n0 + r, N, K); break;
+#endif
+        }
+    }
+    for (; r < nr; r++) {
+        const float *p = pan + r * K;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) ptile_1x4(x, p, y, m, n0 + r, N, K);
+        switch (M - m) {
+            case 3: ptile_1x3(x, p, y, m, n0 + r, N, K); break;
+            case 2: ptile_1x2(x, p, y, m, n0 + r, N, K); break;
+            case 1: ptile_1x1(x, p, y, m, n0 + r, N, K); break;
+        }
+    }
+}
+
+/* One work item: output rows n0 .. n0 + nr - 1 for all M input rows; pan: a [GROUP][K]
+   float scratch panel (used from PANEL_MIN_ROWS rows on). Inlined once per format below, so
+   the format is a constant in every inner loop. */
+static inline __attribute__((always_inline)) void group_impl(
+        const int fmt, const float *x, const uint8_t *w, float *y, float *pan, int64_t M,
+        int64_t n0, int64_t nr, int64_t N, int64_t K) {
+    int64_t rb = row_bytes(fmt, K), n = n0, end = n0 + nr;
+    if (M < PANEL_MIN_ROWS) {
+        for (; n + 4 <= end; n += 4) {
+            if (M == 1) dtile_4x1(fmt, x, w, y, 0, n, N, K, rb);
+            else if (M == 2) dtile_4x2(fmt, x, w, y, 0, n, N, K, rb);
+            else dtile_4x3(fmt, x, w, y, 0, n, N, K, rb);
+        }
+        for (; n < end; n++) {
+            if (M == 1) dtile_1x1(fmt, x, w, y, 0, n, N, K, rb);
+            else if (M == 2) dtile_1x2(fmt, x, w, y, 0, n, N, K, rb);
+            else dtile_1x3(fmt, x, w, y, 0, n, N, K, rb);
+        }
+        return;
+    }
+    for (int64_t r = 0; r < nr; r++) {
+        const uint8_t *row = w + (n0 + r) * rb;
+        for (int64_t b = 0; b < K / QK; b++) {
+            vf d, mm;
+            scales(fmt, row, b, &d, &mm);
+            UNROLL for (int c = 0; c < NCH; c++)
+                vstorea(pan + r * K + b * QK + c * VW, dequant(fmt, row, b, c, d, mm));
+        }
+    }
+    panel_rows(x, pan, y, M, n0, nr, N, K);
+}
+
+typedef void (*group_fn)(const float *, const uint8_t *, float *, float *, int64_t, int64_t,
+                         int64_t, int64_t, int64_t);
+#define GROUP_FN(F)                                                                          \
+static void group_##F(const float *x, const uint8_t *w, float *y, float *pan, int64_t M,     \
+                      int64_t n0, int64_t nr, int64_t N, int64_t K) {                        \
+    group_impl(FMT_##F, x, w, y, pan, M, n0, nr, N, K);                                     \
+}
+GROUP_FN(Q8_0)
+GROUP_FN(Q4_0)
+GROUP_FN(Q4_1)
+GROUP_FN(Q4_K)
+GROUP_FN(Q6_K)
+
+/* x: float32 [M, K]; w: N rows of K weights in blocks of format fmt; y: float32 [M, N].
+   Returns 0, or -1 for an unknown format or a K that does not fill whole blocks. */
+int gguf_linear(int fmt, const float *x, const uint8_t *w, float *y, int64_t M, int64_t N,
+                int64_t K) {
+    group_fn fn = fmt == FMT_Q8_0 ? group_Q8_0 : fmt == FMT_Q4_0 ? group_Q4_0
+                : fmt == FMT_Q4_1 ? group_Q4_1 : fmt == FMT_Q4_K ? group_Q4_K
+                : fmt == FMT_Q6_K ? group_Q6_K : 0;
+    if (fn == 0 || row_bytes(fmt, K) == 0) return -1;
+    if (M == 0) return 0;
+    int64_t groups = (N + GROUP - 1) / GROUP;
+    #pragma omp parallel
+    {
+        float *pan = M < PANEL_MIN_ROWS ? 0 : (float *)aligned_alloc(64, sizeof(float) * GROUP * K);
+        #pragma omp for schedule(dynamic)
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t n0 = g * GROUP;
+            fn(x, w, y, pan, M, n0, n0 + GROUP < N ? GROUP : N - n0, N, K);
+        }
+        free(pan);
+    }
+    return 0;
+}
+
+/* w as float32 [N, K] (the reference dequantization, for tests and fallbacks). */
+int gguf_dequantize(int fmt, const uint8_t *w, float *out, int64_t N, int64_t K) {
+    int64_t rb = gguf_block_bytes(fmt) ? row_bytes(fmt, K) : 0;
+    if (rb == 0) return -1;
+    #pragma omp parallel for schedule(dynamic) if (N * K >= (1 << 16))
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t b = 0; b < K / QK; b++) {
+            vf d, mm;
+            scales(fmt, w + n * rb, b, &d, &mm);
+            UNROLL for (int c = 0; c < NCH; c++) {
+                vf v = dequant(fmt, w + n * rb, b, c, d, mm);
+                float t[VW] __attribute__((aligned(64)));
+                vstorea(t, v);
+                memcpy(out + n * K + b * QK + c * VW, t, sizeof t);
+            }
+        }
+    }
+    return 0;
+}

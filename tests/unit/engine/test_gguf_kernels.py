@@ -1,0 +1,116 @@
+"""The GGUF block kernels (kernels/gguf_linear.c), once per instruction-set build this CPU runs,
+and the engine's default mode serving a GGUF file's own blocks."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from services.engine import gguf_kernels
+from services.engine.gguf_kernels import FORMATS, ISAS, GGUFWeight
+from services.engine.loader import load_weights
+from services.engine.quant import DenseLinear, GGUFLinear
+from services.engine.runner import ModelRunner
+from tests.integration.engine_model import oracle
+from tests.unit.engine import tiny_models as tm
+
+
+@pytest.fixture(scope="module", params=list(ISAS))
+def glib(request):
+    """Each ISA build of the kernel; skipped where this CPU lacks the ISA (not a missing part:
+    the other build covers the machine)."""
+    if request.param not in gguf_kernels.runnable_isas():
+        pytest.skip(f"this CPU lacks {request.param}")
+    lib = gguf_kernels.load(request.param)
+    assert lib is not None, f"the {request.param} build failed on a CPU that has it"
+    assert lib.gguf_isa().decode() == request.param
+    return lib
+
+
+def blocks(kind: str, n: int, k: int, seed: int = 0) -> GGUFWeight:
+    g = torch.Generator().manual_seed(seed)
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind in ("Q4_K", "Q6_K"):  # gguf-py cannot quantize K-quants: random blocks, sane f16 scales
+        size, at, count = {"Q4_K": (144, 0, 2), "Q6_K": (210, 208, 1)}[kind]
+        raw = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=g)
+        scale = (torch.rand(n, k // 256, count, generator=g) * 0.01).half()
+        raw[:, :, at:at + 2 * count] = scale.view(torch.uint8).reshape(n, k // 256, 2 * count)
+        return GGUFWeight(kind, raw.reshape(n, -1).contiguous(), (n, k))
+    a = (torch.randn(n, k, generator=g) * 0.1).numpy()
+    return GGUFWeight(kind, torch.from_numpy(gguf.quants.quantize(a, qtype)), (n, k))
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_dequantizes_exactly_as_the_reference(glib, kind):
+    w = blocks(kind, 37, 256)
+    assert torch.equal(gguf_kernels.dequantize(glib, w), w.dequantize())
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_linear_matches_float32_over_the_dequantized_weights(glib, kind):
+    # rows 1-3 take the direct tiles, 4+ the dequantized panels; N = 37 leaves remainders
+    w = blocks(kind, 37, 512, seed=1)
+    ref_w = w.dequantize().double()
+    x = torch.randn(13, 512)
+    for m in (0, 1, 2, 3, 4, 5, 7, 13):
+        y = gguf_kernels.linear(glib, x[:m], w)
+        assert y.shape == (m, 37)
+        ref = (x[:m].double() @ ref_w.T).float()
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref_w.abs().max().item() * 8)
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_a_rows_result_does_not_depend_on_the_batch(glib, kind):
+    w = blocks(kind, 50, 256, seed=2)
+    x = torch.randn(9, 256)
+    full = gguf_kernels.linear(glib, x, w)
+    for i in range(9):
+        assert torch.equal(gguf_kernels.linear(glib, x[i:i + 1], w)[0], full[i])
+    assert torch.equal(gguf_kernels.linear(glib, x[2:5], w), full[2:5])
+
+
+def test_weight_checks_its_blocks():
+    w = blocks("Q4_1", 8, 64)  # one row: two blocks of 32
+    with pytest.raises(ValueError, match="do not hold"):
+        GGUFWeight("Q4_1", w.blocks[:, :-1], (8, 64))
+    with pytest.raises(ValueError, match="no kernel"):
+        GGUFWeight("Q5_K", w.blocks, (8, 64))
+    assert GGUFWeight.cat([w, blocks("Q8_0", 8, 64)]) is None  # mixed formats stay apart
+    both = GGUFWeight.cat([w, w])
+    assert both.shape == (16, 64) and torch.equal(both.dequantize()[8:], w.dequantize())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_0"])
+def test_loader_keeps_blocks_in_the_float_paths_row_order(tmp_path, qtype):
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(0), qtype)
+    plain = load_weights(path)
+    kept = load_weights(path, keep_blocks=True)
+    assert set(kept.quantized) >= {"layers.0.wq", "layers.1.w_down", "embed"}
+    for name, w in kept.quantized.items():
+        assert name not in kept.tensors or name == "embed"  # only the embedding kept both ways
+        assert torch.equal(w.dequantize(), plain.tensors[name]), name
+
+
+def test_default_mode_serves_the_files_blocks(tmp_path):
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(0), "Q4_1", tokenizer=True)
+    fast = ModelRunner(path, num_blocks=32, num_threads=1, quantization="auto")
+    exact = ModelRunner(path, num_blocks=32, num_threads=1)
+    eager = ModelRunner(path, num_blocks=32, num_threads=1, quantization="auto", kernels=False)
+    layer = fast.model.layers[0]
+    if gguf_kernels.load() is not None:
+        assert isinstance(layer.qkv, GGUFLinear) and layer.qkv.weight.kind == "Q4_1"
+    assert isinstance(eager.model.layers[0].qkv, DenseLinear)  # torch: dequantized once
+    assert fast.kv_cache_dtype == "float16" and exact.kv_cache_dtype == "float32"
+    prompt = [5, 17, 33, 2 + 40, 61, 7]
+    a = oracle.runner_last_logits(exact, prompt)
+    for r in (fast, eager):
+        torch.testing.assert_close(oracle.runner_last_logits(r, prompt), a, rtol=1e-3, atol=1e-3)
+    assert oracle.runner_greedy(fast, prompt, 12) == oracle.runner_greedy(exact, prompt, 12)
+
+
+def test_float_weights_fall_back_to_int8(tmp_path):
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(0), "F32", tokenizer=True)
+    r = ModelRunner(path, num_blocks=16, num_threads=1, quantization="auto")
+    assert not isinstance(r.model.layers[0].qkv, GGUFLinear)
+    assert np.isfinite(oracle.runner_last_logits(r, [1, 2, 3]).numpy()).all()
