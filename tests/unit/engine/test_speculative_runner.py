@@ -24,7 +24,13 @@ BS = 4
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory) -> ModelRunner:
-    path = tm.write_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", tm.random_weights(4))
+    # Weak residual updates: the random model falls into loops, which prompt lookup drafts
+    # (many drafts accepted, many rejected).
+    w = tm.random_weights(3)
+    for name in w:
+        if "o_proj" in name or "down_proj" in name:
+            w[name] = w[name] * 0.3
+    path = tm.write_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", w)
     return ModelRunner(path, block_size=BS, num_blocks=256, num_threads=1, seed=0)
 
 
@@ -50,15 +56,14 @@ PROMPTS = [[(i * 7) % 50 + 3 for i in range(24)] * 2, [5, 9, 11, 40, 41, 42, 43]
 
 @pytest.mark.parametrize("sampling", [
     SamplingParams(),
-    SamplingParams(temperature=0.7, seed=11),
-    SamplingParams(temperature=1.0, top_k=20, repetition_penalty=1.3, seed=12),
+    SamplingParams(temperature=0.5, seed=11),
+    SamplingParams(top_k=20, temperature=0.5, repetition_penalty=1.05, seed=12),
 ], ids=["greedy", "seeded", "seeded_penalised"])
 def test_drafts_never_change_the_output(runner, sampling):
     plain, _ = generate(runner, PROMPTS, sampling, spec=False, first_id=100)
     fast, accepted = generate(runner, PROMPTS, sampling, spec=True, first_id=200)
     assert fast == plain
-    if sampling.greedy:
-        assert accepted > 0  # the comparison covered accepted drafts
+    assert accepted > 0  # the comparison covered accepted drafts
 
 
 def test_rejection_sampling_keeps_the_distribution(runner):
