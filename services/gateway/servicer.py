@@ -38,7 +38,8 @@ def request_from_pb(request, *, chat: bool) -> InferenceRequest:
         prompt=None if chat else request.prompt,
         messages=_messages(request.messages) if chat else None,
         sampling=_sampling(request), stop=tuple(request.stop), request_id=request.request_id,
-        app=request.app, logprobs=request.logprobs, top_logprobs=request.top_logprobs)
+        app=request.app, logprobs=request.logprobs, top_logprobs=request.top_logprobs,
+        speculation=request.speculation if request.HasField("speculation") else None)
 
 
 def chunk_to_pb(chunk: Chunk, *, first: bool) -> gateway_pb2.GenerateResponse:

@@ -56,6 +56,8 @@ class InferenceRequest:
     app: str = ""
     logprobs: bool = False
     top_logprobs: int = 0
+    # Speculative decoding; None: the engine's setting.
+    speculation: bool | None = None
 
 
 def _finite(name: str, v: float | None):
