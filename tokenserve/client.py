@@ -42,7 +42,7 @@ GATEWAY_ENV, API_KEY_ENV = "TOKENSERVE_GATEWAY", "TOKENSERVE_API_KEY"
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty",
              "presence_penalty", "frequency_penalty")
 _TOP_LEVEL = ("temperature", "top_p", "top_k", "seed")
-_OPTIONS = ("stop", "request_id", "app", "logprobs", "top_logprobs")
+_OPTIONS = ("stop", "request_id", "app", "logprobs", "top_logprobs", "speculation")
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
            common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_ERROR: "error"}
 
@@ -224,7 +224,7 @@ class Client:
                  max_tokens: int = DEFAULT_MAX_TOKENS, **options) -> Iterator[Chunk]:
         """Streams the completion of `prompt`. Options: temperature, top_p, top_k, seed,
         min_p, repetition_penalty, presence_penalty, frequency_penalty, stop, request_id,
-        app, logprobs, top_logprobs."""
+        app, logprobs, top_logprobs, speculation (False: no drafting for this request)."""
         req = _generate_request(prompt, self.model if model is None else model, max_tokens,
                                 options)
         return self._stream(self._stub.Generate, req)

@@ -5,7 +5,9 @@ p of a sequence lives in block block_table[p // block_size] at offset p % block_
 flat slot is block * block_size + offset. Attention reads only a sequence's own blocks.
 
 Token order inside a step (the runner builds it): all prefill chunks first, then all decode
-chunks (one token each), so decodes are one contiguous run [decode_start, T).
+chunks, so decodes are one contiguous run [decode_start, T). A decode chunk is one token, or
+a speculative one: its last token plus drafts, each row a decode query of its own that sees
+the cache up to its position (every token's K/V is written before attention runs).
 """
 from __future__ import annotations
 
@@ -61,18 +63,20 @@ class AttentionMetadata:
     decode_contiguous: tuple[int, int] | None = None
 
 
-def build_metadata(spans: list[tuple[int, int, list[int]]], block_size: int,
-                   device: str) -> AttentionMetadata:
-    """spans: per chunk (start_pos, num_new_tokens, block_table), prefills before decodes."""
+def build_metadata(spans: list[tuple], block_size: int, device: str) -> AttentionMetadata:
+    """spans: per chunk (start_pos, num_new_tokens, block_table[, decode rows]), prefills
+    before decodes. A chunk is decoded row by row when the optional 4th item is True (a
+    speculative chunk), or when it is one token after a cached context."""
     slots: list[int] = []
     prefills: list[PrefillSpan] = []
     decodes: list[tuple[int, list[int]]] = []
     q_start = 0
-    for start_pos, n, table in spans:
+    for span in spans:
+        start_pos, n, table = span[:3]
         for p in range(start_pos, start_pos + n):
             slots.append(table[p // block_size] * block_size + p % block_size)
-        if n == 1 and start_pos > 0:
-            decodes.append((start_pos + 1, table))
+        if (span[3] if len(span) > 3 else n == 1) and start_pos > 0:
+            decodes.extend((p + 1, table) for p in range(start_pos, start_pos + n))
         else:
             if decodes:
                 raise ValueError("prefill chunks must come before decode chunks")

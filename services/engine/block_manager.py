@@ -141,6 +141,18 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_registered_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Frees seq's blocks beyond those covering num_tokens positions (rejected drafts'
+        slots). Those tail blocks are never shared: only full computed blocks are."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            b = seq.block_table.pop()
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free[b] = None
+                if self._hash[b] is None:
+                    self._free.move_to_end(b, last=False)
+
     def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached) -> int:
         have = len(seq.block_table) + len(cached)
         total = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens

@@ -52,6 +52,9 @@ class EngineConfig:
     # KV cache size; None: the runner sizes it from available memory.
     kv_cache_mb: int | None = None
     enable_prefix_caching: bool = True
+    # Prompt-lookup speculative decoding (requests may opt out); most drafts per request-step.
+    speculation: bool = True
+    num_draft_tokens: int = 8
     # Power figure used for energy when no counter is readable (reported as estimated).
     watts: float = 15.0
     etcd_endpoints: tuple[str, ...] = ()
@@ -96,6 +99,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
             raise ValueError(f"kv_cache_mb must be >= 1, got {self.kv_cache_mb}")
+        if not 1 <= self.num_draft_tokens <= 64:
+            raise ValueError(f"num_draft_tokens must be in [1, 64], got {self.num_draft_tokens}")
         if self.watts <= 0:
             raise ValueError(f"watts must be > 0, got {self.watts}")
         for ep in self.etcd_endpoints:

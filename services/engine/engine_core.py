@@ -164,7 +164,7 @@ class EngineCore:
         if self.observer:
             self.observer.on_step(self, events, end - now)
         for ev in events:
-            out = self._emit(ev, result)
+            out = self._emit(ev)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -180,25 +180,32 @@ class EngineCore:
         for ev in events:
             ev.seq.energy_joules += joules * ev.num_computed / tokens
 
-    def _emit(self, ev: TokenEvent, result: RunnerOutput) -> RequestOutput | None:
+    def _emit(self, ev: TokenEvent) -> RequestOutput | None:
         seq = ev.seq
-        if ev.token_id is None:
+        if not ev.tokens:
             return None
-        out = RequestOutput(seq.seq_id, seq.request_id, token_ids=[ev.token_id])
-        sampled = result.sampled[seq.seq_id]
-        if seq.sampling.logprobs:
-            out.logprobs.append(sampled)
+        out = RequestOutput(seq.seq_id, seq.request_id)
         text = self._texts.get(seq.seq_id)
-        if text is not None:
-            delta, stopped = text.push(ev.token_id)
+        for i, tok in enumerate(ev.tokens):
+            out.token_ids.append(tok.token_id)
+            if seq.sampling.logprobs:
+                out.logprobs.append(tok)
+            if text is None:
+                continue
+            delta, stopped = text.push(tok.token_id)
+            out.text += delta
             if stopped:
+                # tokens accepted after the stop string are dropped: never streamed nor billed
+                if dropped := len(ev.tokens) - 1 - i:
+                    del seq.output_token_ids[-dropped:]
                 if seq.finished:
                     seq.finish_reason = FinishReason.STOP
                 else:
                     self.scheduler.finish(seq, FinishReason.STOP, self.clock())
-            elif seq.finished:
-                delta += text.flush()
-            out.text = delta
+                break
+        else:
+            if text is not None and seq.finished:
+                out.text += text.flush()
         if seq.finished:
             return self._final(seq, out)
         return out

@@ -44,6 +44,14 @@ class SeqChunk:
     # Prompt and generated ids so far (penalties read them; the runner must not mutate).
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # Speculative decode: the last num_draft_tokens of token_ids are guesses (after the one
+    # known token). The runner samples at every position and accepts the guesses up to the
+    # first disagreement (RunnerOutput.accepted), then the token sampled there.
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
 
 
 @dataclass
@@ -76,7 +84,10 @@ class SampledToken:
 
 @dataclass
 class RunnerOutput:
-    # seq_id -> the token sampled for every chunk with sample=True.
+    # seq_id -> the token sampled for every chunk with sample=True (for a chunk with drafts:
+    # the token after the accepted ones).
     sampled: dict[int, SampledToken]
+    # seq_id -> the draft tokens accepted, in order, before `sampled` (chunks with drafts).
+    accepted: dict[int, list[SampledToken]] = field(default_factory=dict)
     # Seconds the forward pass took (metrics, energy attribution).
     seconds: float = 0.0

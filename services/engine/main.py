@@ -22,6 +22,7 @@ from services.engine.engine_loop import AsyncEngine
 from services.engine.metrics import EngineMetrics
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.servicer import SERVICE_NAME, EngineServicer, ModelInfo
+from services.engine.speculation import SpeculationConfig
 from tokenserve.engine.v1 import engine_pb2_grpc
 from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default_model_path
 from tokenserve.runtime.logging import configure_logging, get_logger
@@ -69,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--kv-cache-mb", type=int, default=None,
                    help="KV cache size (default: sized from available memory)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-speculation", action="store_true",
+                   help="never draft tokens by prompt lookup (requests may also opt out)")
+    p.add_argument("--num-draft-tokens", type=int, default=8,
+                   help="most draft tokens verified per request per step")
     p.add_argument("--watts", type=float, default=15.0,
                    help="power figure for energy when no RAPL counter is readable")
     p.add_argument("--etcd-endpoints", default="", help="host:port[,host:port...]")
@@ -100,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             burst_hold_ms=a.burst_hold_ms,
             block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
             enable_prefix_caching=not a.no_prefix_caching, watts=a.watts,
+            speculation=not a.no_speculation, num_draft_tokens=a.num_draft_tokens,
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
             meter=a.meter, spool_path=a.spool, spool_durability=a.spool_durability,
             advertise=a.advertise, grace_seconds=a.grace_seconds, drain_seconds=a.drain_seconds,
@@ -135,6 +141,8 @@ def build_core(config: EngineConfig) -> EngineCore:
                         max_model_len=runner.max_context,
                         itl_target_s=config.itl_target_ms / 1000,
                         burst_hold_s=config.burst_hold_ms / 1000,
+                        speculation=SpeculationConfig(enabled=config.speculation,
+                                                      num_draft_tokens=config.num_draft_tokens),
                         # keep ~1% free so running requests can grow without preemption
                         admission_reserve_blocks=max(1, runner.num_blocks // 100)),
         BlockManager(runner.num_blocks, runner.block_size,

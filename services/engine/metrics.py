@@ -38,6 +38,16 @@ PREEMPTIONS = Counter("tokenserve_engine_preemptions_total",
                       "Running requests preempted (recomputed) when KV blocks ran out")
 FINISHED = Counter("tokenserve_engine_requests_total", "Requests ended, by finish reason",
                    ["finish_reason"])
+DRAFTED = Counter("tokenserve_engine_draft_tokens_proposed_total",
+                  "Draft tokens verified by speculative decoding (prompt lookup)")
+ACCEPTED = Counter("tokenserve_engine_draft_tokens_accepted_total",
+                   "Draft tokens the model agreed with (each saved a step)")
+ACCEPTANCE = Histogram("tokenserve_engine_draft_acceptance_rate",
+                       "Accepted / proposed draft tokens of each finished request that drafted",
+                       buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
+TOKENS_PER_STEP = Histogram("tokenserve_engine_tokens_per_step",
+                            "Tokens one decoding request gained in one step (>1: accepted drafts)",
+                            buckets=(1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17))
 ENERGY = Counter("tokenserve_engine_energy_joules_total",
                  "Joules attributed to requests (estimated when no counter is readable)")
 
@@ -53,12 +63,14 @@ class EngineMetrics:
 
     def on_step(self, core, events: list[TokenEvent], seconds: float) -> None:
         STEP.observe(seconds)
-        generated = 0
+        generated = drafted = accepted = 0
         for ev in events:
             seq = ev.seq
-            if ev.token_id is None:
+            if not ev.tokens:
                 continue
-            generated += 1
+            generated += len(ev.tokens)
+            drafted += ev.num_drafted
+            accepted += ev.num_accepted
             now = seq.last_token_at
             prev = self._last_token.get(seq.seq_id)
             if prev is None:  # first token
@@ -67,9 +79,13 @@ class EngineMetrics:
                 self._admitted(seq)
             else:
                 ITL.observe(max(0.0, now - prev))
+                TOKENS_PER_STEP.observe(len(ev.tokens))
             if not seq.finished:
                 self._last_token[seq.seq_id] = now
         GENERATED.inc(generated)
+        if drafted:
+            DRAFTED.inc(drafted)
+            ACCEPTED.inc(accepted)
         sched = core.scheduler
         if sched.num_preemptions > self._preemptions:
             PREEMPTIONS.inc(sched.num_preemptions - self._preemptions)
@@ -89,6 +105,9 @@ class EngineMetrics:
             E2E.observe(max(0.0, seq.finished_at - seq.arrival))
         if seq.energy_joules > 0:
             ENERGY.inc(seq.energy_joules)
+        d = seq.drafter
+        if d is not None and d.proposed:
+            ACCEPTANCE.observe(d.accepted / d.proposed)
 
     def _admitted(self, seq: Sequence) -> None:
         PROMPT_TOKENS.inc(seq.num_prompt_tokens)

@@ -9,6 +9,7 @@ the scheduler owns block allocation and hands each chunk its block_table.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -117,8 +118,10 @@ class ModelRunner:
     def execute(self, batch: Batch) -> RunnerOutput:
         """Compute KV for every chunk; sample one token for each chunk with sample=True.
 
-        Chunks may mix prefills (any length, start_pos > 0 allowed) and decodes (one token).
-        Returns RunnerOutput.sampled keyed by seq_id.
+        Chunks may mix prefills (any length, start_pos > 0 allowed), decodes (one token) and
+        speculative decodes (one token plus drafts: sampled at every position, drafts kept
+        while they equal what was sampled). Returns RunnerOutput.sampled (and .accepted)
+        keyed by seq_id.
         """
         t0 = time.perf_counter()
         self.sampler.forget(batch.finished_seq_ids)
@@ -130,26 +133,50 @@ class ModelRunner:
         positions: list[int] = []
         spans = []
         rows: list[int] = []
-        sample_chunks: list[SeqChunk] = []
+        sample_chunks: list[SeqChunk] = []  # one per logits row
         for c in chunks:
             self._check(c)
             n = len(c.token_ids)
             ids.extend(c.token_ids)
             positions.extend(range(c.start_pos, c.start_pos + n))
-            spans.append((c.start_pos, n, c.block_table))
+            spans.append((c.start_pos, n, c.block_table, _is_decode(c)))
             if c.sample:
-                rows.append(len(ids) - 1)
-                sample_chunks.append(c)
+                k = c.num_draft_tokens
+                rows.extend(range(len(ids) - 1 - k, len(ids)))
+                sample_chunks.extend(_draft_rows(c) if k else [c])
         dev = self.device
         meta = build_metadata(spans, self.block_size, dev)
         logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
                                     torch.tensor(positions, dtype=torch.long, device=dev),
                                     meta, self.kv, torch.tensor(rows, dtype=torch.long, device=dev))
-        sampled = {}
+        out = RunnerOutput(sampled={})
         if sample_chunks:
+            checkpoints = {c.seq_id: self.sampler.checkpoint(c.seq_id, c.sampling)
+                           for c in chunks if c.num_draft_tokens}
             tokens = self.sampler.sample(logits, sample_chunks)
-            sampled = {c.seq_id: t for c, t in zip(sample_chunks, tokens)}
-        return RunnerOutput(sampled=sampled, seconds=time.perf_counter() - t0)
+            i = 0
+            for c in chunks:
+                if not c.sample:
+                    continue
+                k = c.num_draft_tokens
+                row = tokens[i:i + k + 1]
+                i += k + 1
+                # A draft is a point guess: keeping it while it equals the token sampled at
+                # its position, and otherwise that sample, is rejection sampling (accept with
+                # p(draft); on rejection the sample is distributed as p without the draft).
+                n = 0
+                for d, t in zip(c.draft_token_ids, row):
+                    if d != t.token_id:
+                        break
+                    n += 1
+                out.sampled[c.seq_id] = row[n]
+                if k:
+                    out.accepted[c.seq_id] = row[:n]
+                    if checkpoints[c.seq_id] is not None:
+                        # one draw per token kept, as plain decoding would have made
+                        self.sampler.rewind(c.seq_id, checkpoints[c.seq_id], n + 1)
+        out.seconds = time.perf_counter() - t0
+        return out
 
     def _check(self, c: SeqChunk) -> None:
         """Scheduler bugs surface here as ValueError rather than as silent cache corruption."""
@@ -169,7 +196,18 @@ class ModelRunner:
 
 
 def _is_decode(c: SeqChunk) -> bool:
-    return len(c.token_ids) == 1 and c.start_pos > 0
+    return (len(c.token_ids) == 1 or c.num_draft_tokens > 0) and c.start_pos > 0
+
+
+def _draft_rows(c: SeqChunk) -> list[SeqChunk]:
+    """One chunk per sampled position of a speculative chunk; row i follows drafts[:i], so
+    penalties see the output as it would be there."""
+    p = c.sampling
+    if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+        return [c] * (c.num_draft_tokens + 1)
+    drafts = c.draft_token_ids
+    return [dataclasses.replace(c, output_token_ids=c.output_token_ids + drafts[:i])
+            for i in range(len(drafts) + 1)]
 
 
 def _available_ram() -> int:

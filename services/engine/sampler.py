@@ -6,7 +6,9 @@ Order per row: penalties (repetition over prompt + output, presence / frequency 
 
 Each draw takes exactly one uniform number from the sequence's own torch.Generator (seeded
 sequences) or from the sampler's shared one, so a seeded request gives the same tokens
-whatever else is in the batch.
+whatever else is in the batch. Speculative verification samples every draft position and
+then rewinds a seeded generator to one draw per token kept (`rewind`), so a seeded request
+also gives the same tokens with or without drafts.
 """
 from __future__ import annotations
 
@@ -37,6 +39,19 @@ class Sampler:
         """Drop per-sequence generators of finished sequences."""
         for s in seq_ids:
             self._seeded.pop(s, None)
+
+    def checkpoint(self, seq_id: int, params: SamplingParams) -> torch.Tensor | None:
+        """State of a seeded sequence's generator (None when it draws from the shared one)."""
+        if params.greedy or params.seed is None:
+            return None
+        return self._generator(seq_id, params).get_state()
+
+    def rewind(self, seq_id: int, state: torch.Tensor, draws: int) -> None:
+        """Back to `state`, then `draws` draws on, as if only those had been made."""
+        g = self._seeded[seq_id]
+        g.set_state(state)
+        for _ in range(draws):
+            torch.rand(1, generator=g)
 
     def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator:
         if params.seed is None:

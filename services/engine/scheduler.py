@@ -26,16 +26,25 @@ Policies:
   running sequences is admitted next (ties: the tenant admitted least recently), FIFO
   within a tenant, so no tenant starves another of the same priority.
 
+Speculative decoding (`speculation`): a decoding sequence may carry draft tokens guessed by
+prompt lookup (speculation.py) after its last token; the runner verifies them in the same
+step and the sequence advances by the accepted drafts plus one token. Drafts get the budget
+left once every running sequence has its one token, best-accepting sequences first, and
+never cause a preemption: when blocks are short the sequence decodes plainly. The slots of
+rejected drafts lie beyond num_computed_tokens, so the next step overwrites them; blocks
+that held only rejected drafts are freed at once.
+
 Pure Python (no torch); unit-tested with hand-built runner outputs.
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
-from services.engine.interface import Batch, RunnerOutput, SeqChunk
+from services.engine.interface import Batch, RunnerOutput, SampledToken, SeqChunk
 from services.engine.sequence import FinishReason, SeqStatus, Sequence
+from services.engine.speculation import NgramDrafter, SpeculationConfig
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,8 @@ class SchedulerConfig:
     itl_target_s: float = 0.0
     # Longest a burst's first tokens are held back so the burst starts together; 0: never.
     burst_hold_s: float = 0.0
+    # Prompt-lookup speculative decoding (off unless the engine turns it on).
+    speculation: SpeculationConfig = SpeculationConfig(enabled=False)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -112,11 +123,18 @@ class StepCosts:
 
 @dataclass
 class TokenEvent:
-    """One sequence's result from a step: the token sampled (if any) and whether it ended."""
+    """One sequence's result from a step: the tokens it gained (none for a prompt chunk;
+    several when drafts were accepted), in order."""
 
     seq: Sequence
-    token_id: int | None
-    num_computed: int  # tokens whose KV this step computed (energy attribution)
+    tokens: list[SampledToken]
+    num_computed: int  # tokens whose KV this step computed, drafts included (energy)
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens]
 
 
 class Scheduler:
@@ -181,6 +199,7 @@ class Scheduler:
         self.running.sort(key=lambda s: (s.num_remaining > 1, -s.priority, s.arrival))
         prompt_left = self._prompt_allowance()
         hold = self._burst_hold(now)
+        drafts = self._propose(budget)
         scheduled: set[int] = set()
         preempted = False
         i = 0
@@ -194,6 +213,15 @@ class Scheduler:
             n = min(seq.num_remaining, budget, prompt_left if seq.num_remaining > 1 else 1)
             if hold:
                 n = _hold_back(seq, n, seq.num_remaining)
+            draft = drafts.get(seq.seq_id, ())
+            # drafts only where they fit and leave a block for each sequence still to decode
+            if draft and budget >= 1 + len(draft) and self.blocks.allocate(
+                    seq, 1 + len(draft), reserve=len(self.running) - i - 1):
+                chunks.append(self._chunk(seq, 1, now, draft))
+                scheduled.add(seq.seq_id)
+                budget -= 1 + len(draft)
+                i += 1
+                continue
             while not self.blocks.allocate(seq, n):
                 victim = self._pick_victim(scheduled)
                 self._preempt(victim)
@@ -216,6 +244,31 @@ class Scheduler:
         if chunks:
             finished, self._finished_ids = self._finished_ids, []
         return Batch(chunks=chunks, finished_seq_ids=finished)
+
+    def _propose(self, budget: int) -> dict[int, list[int]]:
+        """Draft tokens per decoding sequence for this step, within the budget left after one
+        token for every running sequence."""
+        spec = self.config.speculation
+        if not spec.enabled:
+            return {}
+        room = min(spec.max_draft_tokens_per_step, budget - len(self.running))
+        candidates = [s for s in self.running if s.speculation and _streaming(s)]
+        for s in candidates:
+            if s.drafter is None:
+                s.drafter = NgramDrafter(spec)
+        candidates.sort(key=lambda s: -s.drafter.acceptance)
+        out: dict[int, list[int]] = {}
+        for s in candidates:
+            if room <= 0:
+                break
+            # the step yields up to 1 + drafts tokens: stay within max_tokens and the context
+            limit = min(room, s.stop.max_tokens - len(s.output_token_ids) - 1,
+                        self.config.max_model_len - s.num_tokens)
+            d = s.drafter.propose(s.tokens(0, s.num_tokens), limit)
+            if d:
+                out[s.seq_id] = d
+                room -= len(d)
+        return out
 
     def _prompt_allowance(self) -> int:
         """Prompt tokens this step may compute (beside any decodes)."""
@@ -291,40 +344,55 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.insert(0, seq)
 
-    def _chunk(self, seq: Sequence, n: int, now: float) -> SeqChunk:
+    def _chunk(self, seq: Sequence, n: int, now: float, draft=()) -> SeqChunk:
         start = seq.num_computed_tokens
         if seq.first_scheduled_at is None:
             seq.first_scheduled_at = now
-        return SeqChunk(seq_id=seq.seq_id, token_ids=seq.tokens(start, start + n),
+        return SeqChunk(seq_id=seq.seq_id, token_ids=seq.tokens(start, start + n) + list(draft),
                         start_pos=start, block_table=seq.block_table,
                         sample=start + n == seq.num_tokens, sampling=seq.sampling,
                         prompt_token_ids=seq.prompt_token_ids,
-                        output_token_ids=seq.output_token_ids)
+                        output_token_ids=seq.output_token_ids, num_draft_tokens=len(draft))
 
     def update(self, batch: Batch, output: RunnerOutput, now: float = 0.0) -> list[TokenEvent]:
         """Applies a step's results: advances progress, appends sampled tokens, and ends
         sequences on EOS, a stop token id, max_tokens or a full context."""
         events: list[TokenEvent] = []
-        decode_rows = sum(1 for c in batch.chunks if len(c.token_ids) == 1)
-        self.costs.observe(decode_rows, batch.num_tokens - decode_rows, output.seconds)
+        decodes = [c for c in batch.chunks if len(c.token_ids) - c.num_draft_tokens == 1]
+        prompt_tokens = sum(len(c.token_ids) for c in batch.chunks) - sum(
+            len(c.token_ids) for c in decodes)
+        self.costs.observe(len(decodes), prompt_tokens, output.seconds)
         for chunk in batch.chunks:
             seq = self._by_id.get(chunk.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += len(chunk.token_ids)
-            self.blocks.cache_full_blocks(seq)
+            n = len(chunk.token_ids)
             if not chunk.sample:
-                events.append(TokenEvent(seq, None, len(chunk.token_ids)))
+                seq.num_computed_tokens += n
+                self.blocks.cache_full_blocks(seq)
+                events.append(TokenEvent(seq, [], n))
                 continue
-            tok = output.sampled[chunk.seq_id].token_id
-            seq.output_token_ids.append(tok)
+            accepted = output.accepted.get(chunk.seq_id, [])
+            gained: list[SampledToken] = []
+            reason = None
+            for t in (*accepted, output.sampled[chunk.seq_id]):
+                seq.output_token_ids.append(t.token_id)
+                gained.append(t)
+                reason = self._stop_reason(seq, t.token_id)
+                if reason is not None:
+                    break  # tokens after a stop are dropped (never streamed nor billed)
+            # KV is valid up to the last accepted draft: every known token but the newest
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.blocks.cache_full_blocks(seq)
+            if chunk.num_draft_tokens:
+                self.blocks.trim(seq, seq.num_tokens)
+                seq.drafter.observe(chunk.num_draft_tokens, len(accepted), seq.num_tokens)
             if seq.first_token_at is None:
                 seq.first_token_at = now
             seq.last_token_at = now
-            reason = self._stop_reason(seq, tok)
             if reason is not None:
                 self.finish(seq, reason, now)
-            events.append(TokenEvent(seq, tok, len(chunk.token_ids)))
+            events.append(TokenEvent(seq, gained, n, chunk.num_draft_tokens, len(accepted)))
         return events
 
     def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from services.engine.interface import SamplingParams
+from services.engine.speculation import NgramDrafter
 
 
 class SeqStatus(enum.Enum):
@@ -49,6 +50,8 @@ class Sequence:
     # time.monotonic() at arrival; deadline is absolute on the same clock (None: none).
     arrival: float = 0.0
     deadline: float | None = None
+    # False: never draft for this request (the request opted out of speculation).
+    speculation: bool = True
 
     output_token_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
@@ -67,6 +70,8 @@ class Sequence:
     last_token_at: float | None = None
     finished_at: float | None = None
     energy_joules: float = 0.0
+    # Prompt-lookup drafting state, made by the scheduler when it first drafts.
+    drafter: NgramDrafter | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

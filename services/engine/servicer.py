@@ -75,6 +75,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                               stop_token_ids=frozenset(request.stop_token_ids),
                               ignore_eos=request.ignore_eos, stop=tuple(request.stop)),
             priority=request.priority, tenant_id=request.tenant_id, arrival=now,
+            speculation=request.speculation if request.HasField("speculation") else True,
             deadline=now + remaining if remaining is not None else None)
         async for out in self.engine.generate(seq):
             yield response_to_pb(out)

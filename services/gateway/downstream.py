@@ -136,7 +136,8 @@ def engine_request(req: InferenceRequest, prompt_ids: Sequence[int], *, priority
         request_id=req.request_id, prompt_token_ids=list(prompt_ids),
         sampling=sampling.to_pb(req.sampling),
         max_tokens=req.max_tokens, stop=list(req.stop), logprobs=req.logprobs,
-        top_logprobs=req.top_logprobs, priority=priority, tenant_id=tenant_id)
+        top_logprobs=req.top_logprobs, priority=priority, tenant_id=tenant_id,
+        speculation=req.speculation)
 
 
 def _chunk(resp: engine_pb2.GenerateResponse) -> EngineChunk:

@@ -40,7 +40,8 @@ def request_from_pb(request, *, chat: bool) -> InferenceRequest:
         prompt=None if chat else request.prompt,
         messages=_messages(request.messages) if chat else None,
         sampling=_sampling(request), stop=tuple(request.stop), request_id=request.request_id,
-        app=request.app, logprobs=request.logprobs, top_logprobs=request.top_logprobs)
+        app=request.app, logprobs=request.logprobs, top_logprobs=request.top_logprobs,
+        speculation=request.speculation if request.HasField("speculation") else None)
 
 
 def _logprob_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:

@@ -39,6 +39,8 @@ class InferenceRequest:
     app: str = ""
     logprobs: bool = False
     top_logprobs: int = 0
+    # Speculative decoding; None: the engine's setting.
+    speculation: bool | None = None
 
 
 def check_max_tokens(max_tokens: int, tier_cap: int, tier: str) -> None:

@@ -127,3 +127,55 @@ def test_default_weights_follow_the_exact_greedy_path(runner, default_runner, ca
         top = logits.topk(2)
         assert fast[i] in top.indices.tolist(), (name, i)
         assert (top.values[0] - top.values[1]).item() < NEAR_TIE, (name, i, top.values.tolist())
+
+
+CODE = "\n".join(
+    ["def process_orders(records, limit=100):", '    """Filter and total the order records."""',
+     "    total = 0", "    kept = []"]
+    + [f"    if records[{i}].value > limit:\n        kept.append(records[{i}])\n"
+       f"        total += records[{i}].value" for i in range(6)]
+    + ["    return kept, total"])
+
+
+def code_edit_prompts(tok) -> dict[str, list[int]]:
+    ask = lambda text: tok.encode_chat([{"role": "user", "content": text}])
+    return {
+        "edit_rename": ask("Rewrite this function with `limit` renamed to `threshold`. Output only"
+                           f" the code.\n\n```python\n{CODE}\n```"),
+        "edit_docstring": ask(f"```python\n{CODE}\n```\nRepeat the function above exactly, with"
+                              " a better docstring."),
+    }
+
+
+def test_speculative_greedy_output_equals_plain_greedy(runner, cases, tok):
+    """Oracle and code-edit prompts together, drafts on and off: the same tokens, and the
+    code edits accept many drafts."""
+    from services.engine.block_manager import BlockManager
+    from services.engine.engine_core import EngineCore
+    from services.engine.interface import SamplingParams
+    from services.engine.scheduler import Scheduler, SchedulerConfig
+    from services.engine.sequence import Sequence, StopCriteria
+    from services.engine.speculation import SpeculationConfig
+
+    prompts = {**{k: cases[k] for k in ("chat", "code", "list")}, **code_edit_prompts(tok)}
+
+    def run(spec: bool, first_id: int):
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_model_len=runner.max_context,
+                                          speculation=SpeculationConfig(enabled=spec)),
+                          BlockManager(runner.num_blocks, runner.block_size), set(runner.eos_token_ids))
+        core = EngineCore(runner, sched)
+        seqs = {name: Sequence(first_id + i, name, p, SamplingParams(), StopCriteria(max_tokens=N_NEW))
+                for i, (name, p) in enumerate(prompts.items())}
+        for s in seqs.values():
+            core.add(s)
+        while core.has_work():
+            core.step()
+        return seqs
+
+    plain, fast = run(False, 100), run(True, 200)
+    for name in prompts:
+        assert fast[name].output_token_ids == plain[name].output_token_ids, name
+    for name in code_edit_prompts(tok):
+        d = fast[name].drafter
+        assert d.accepted >= N_NEW // 4, (name, d.proposed, d.accepted)
+

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tokenserve.common.v1 import common_pb2 as tokenserve_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!tokenserve/engine/v1/engine.proto\x12\x14tokenserve.engine.v1\x1a!tokenserve/common/v1/common.proto\"\x92\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.tokenserve.common.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x05\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x11\n\ttenant_id\x18\x0b \x01(\t\"\xb1\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".tokenserve.common.v1.FinishReason\x12*\n\x05usage\x18\x04 \x01(\x0b\x32\x1b.tokenserve.common.v1.Usage\x12.\n\x07timings\x18\x05 \x01(\x0b\x32\x1d.tokenserve.common.v1.Timings\x12\x34\n\x08logprobs\x18\x06 \x03(\x0b\x32\".tokenserve.common.v1.TokenLogprob\x12\x15\n\renergy_joules\x18\x07 \x01(\x01\x12\x18\n\x10\x65nergy_estimated\x18\x08 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xfc\x01\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\rkv_block_size\x18\x07 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\t \x01(\x05\x12\x0f\n\x07running\x18\n \x01(\x05\x12\x0f\n\x07waiting\x18\x0b \x01(\x05\x12\x17\n\x0fmax_concurrency\x18\x0c \x01(\x05\x32\xc4\x01\n\rEngineService\x12[\n\x08Generate\x12%.tokenserve.engine.v1.GenerateRequest\x1a&.tokenserve.engine.v1.GenerateResponse0\x01\x12V\n\x07GetInfo\x12$.tokenserve.engine.v1.GetInfoRequest\x1a%.tokenserve.engine.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!tokenserve/engine/v1/engine.proto\x12\x14tokenserve.engine.v1\x1a!tokenserve/common/v1/common.proto\"\xbc\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.tokenserve.common.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x05\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x11\n\ttenant_id\x18\x0b \x01(\t\x12\x18\n\x0bspeculation\x18\x0c \x01(\x08H\x00\x88\x01\x01\x42\x0e\n\x0c_speculation\"\xb1\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".tokenserve.common.v1.FinishReason\x12*\n\x05usage\x18\x04 \x01(\x0b\x32\x1b.tokenserve.common.v1.Usage\x12.\n\x07timings\x18\x05 \x01(\x0b\x32\x1d.tokenserve.common.v1.Timings\x12\x34\n\x08logprobs\x18\x06 \x03(\x0b\x32\".tokenserve.common.v1.TokenLogprob\x12\x15\n\renergy_joules\x18\x07 \x01(\x01\x12\x18\n\x10\x65nergy_estimated\x18\x08 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xfc\x01\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\rkv_block_size\x18\x07 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\t \x01(\x05\x12\x0f\n\x07running\x18\n \x01(\x05\x12\x0f\n\x07waiting\x18\x0b \x01(\x05\x12\x17\n\x0fmax_concurrency\x18\x0c \x01(\x05\x32\xc4\x01\n\rEngineService\x12[\n\x08Generate\x12%.tokenserve.engine.v1.GenerateRequest\x1a&.tokenserve.engine.v1.GenerateResponse0\x01\x12V\n\x07GetInfo\x12$.tokenserve.engine.v1.GetInfoRequest\x1a%.tokenserve.engine.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenserve.engine.v1.engine
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=95
-  _globals['_GENERATEREQUEST']._serialized_end=369
-  _globals['_GENERATERESPONSE']._serialized_start=372
-  _globals['_GENERATERESPONSE']._serialized_end=677
-  _globals['_GETINFOREQUEST']._serialized_start=679
-  _globals['_GETINFOREQUEST']._serialized_end=695
-  _globals['_GETINFORESPONSE']._serialized_start=698
-  _globals['_GETINFORESPONSE']._serialized_end=950
-  _globals['_ENGINESERVICE']._serialized_start=953
-  _globals['_ENGINESERVICE']._serialized_end=1149
+  _globals['_GENERATEREQUEST']._serialized_end=411
+  _globals['_GENERATERESPONSE']._serialized_start=414
+  _globals['_GENERATERESPONSE']._serialized_end=719
+  _globals['_GETINFOREQUEST']._serialized_start=721
+  _globals['_GETINFOREQUEST']._serialized_end=737
+  _globals['_GETINFORESPONSE']._serialized_start=740
+  _globals['_GETINFORESPONSE']._serialized_end=992
+  _globals['_ENGINESERVICE']._serialized_start=995
+  _globals['_ENGINESERVICE']._serialized_end=1191
 # @@protoc_insertion_point(module_scope)

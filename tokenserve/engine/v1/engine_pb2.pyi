@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "top_logprobs", "logprobs", "priority", "tenant_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "top_logprobs", "logprobs", "priority", "tenant_id", "speculation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -31,7 +32,8 @@ class GenerateRequest(_message.Message):
     logprobs: bool
     priority: int
     tenant_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., priority: _Optional[int] = ..., tenant_id: _Optional[str] = ...) -> None: ...
+    speculation: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., priority: _Optional[int] = ..., tenant_id: _Optional[str] = ..., speculation: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage", "timings", "logprobs", "energy_joules", "energy_estimated")

@@ -26,7 +26,7 @@ from tokenserve.common.v1 import common_pb2 as tokenserve_dot_common_dot_v1_dot_
 from tokenserve.meter.v1 import meter_pb2 as tokenserve_dot_meter_dot_v1_dot_meter__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#tokenserve/gateway/v1/gateway.proto\x12\x15tokenserve.gateway.v1\x1a!tokenserve/common/v1/common.proto\x1a\x1ftokenserve/meter/v1/meter.proto\"\xd5\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x36\n\x08sampling\x18\n \x01(\x0b\x32$.tokenserve.common.v1.SamplingParams\x12\x0b\n\x03\x61pp\x18\x0b \x01(\t\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\x05\x12\x10\n\x08logprobs\x18\r \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xf6\x02\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x33\n\x08messages\x18\x02 \x03(\x0b\x32!.tokenserve.common.v1.ChatMessage\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x36\n\x08sampling\x18\n \x01(\x0b\x32$.tokenserve.common.v1.SamplingParams\x12\x0b\n\x03\x61pp\x18\x0b \x01(\t\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\x05\x12\x10\n\x08logprobs\x18\r \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xfb\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".tokenserve.common.v1.FinishReason\x12*\n\x05usage\x18\x04 \x01(\x0b\x32\x1b.tokenserve.common.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\rmodel_version\x18\x06 \x01(\t\x12\x34\n\x08logprobs\x18\x07 \x03(\x0b\x32\".tokenserve.common.v1.TokenLogprob\"s\n\x12\x43ountTokensRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\x04\x63hat\x18\x03 \x01(\x0b\x32#.tokenserve.gateway.v1.ChatMessagesH\x00\x42\x07\n\x05input\"C\n\x0c\x43hatMessages\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.tokenserve.common.v1.ChatMessage\"$\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x05\"\x13\n\x11ListModelsRequest\"a\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x35\n\x08versions\x18\x02 \x03(\x0b\x32#.tokenserve.gateway.v1.ModelVersion\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\"/\n\x0cModelVersion\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x05\"B\n\x12ListModelsResponse\x12,\n\x06models\x18\x01 \x03(\x0b\x32\x1c.tokenserve.gateway.v1.Model\"\x88\x01\n\x0fGetUsageRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x01\x12.\n\x08group_by\x18\x04 \x03(\x0e\x32\x1c.tokenserve.meter.v1.GroupBy\x12\x16\n\x0e\x62ucket_seconds\x18\x05 \x01(\x05\"?\n\x10GetUsageResponse\x12+\n\x04rows\x18\x01 \x03(\x0b\x32\x1d.tokenserve.meter.v1.UsageRow2\xee\x03\n\x10InferenceService\x12]\n\x08Generate\x12&.tokenserve.gateway.v1.GenerateRequest\x1a\'.tokenserve.gateway.v1.GenerateResponse0\x01\x12U\n\x04\x43hat\x12\".tokenserve.gateway.v1.ChatRequest\x1a\'.tokenserve.gateway.v1.GenerateResponse0\x01\x12\x64\n\x0b\x43ountTokens\x12).tokenserve.gateway.v1.CountTokensRequest\x1a*.tokenserve.gateway.v1.CountTokensResponse\x12\x61\n\nListModels\x12(.tokenserve.gateway.v1.ListModelsRequest\x1a).tokenserve.gateway.v1.ListModelsResponse\x12[\n\x08GetUsage\x12&.tokenserve.gateway.v1.GetUsageRequest\x1a\'.tokenserve.gateway.v1.GetUsageResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#tokenserve/gateway/v1/gateway.proto\x12\x15tokenserve.gateway.v1\x1a!tokenserve/common/v1/common.proto\x1a\x1ftokenserve/meter/v1/meter.proto\"\xff\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x36\n\x08sampling\x18\n \x01(\x0b\x32$.tokenserve.common.v1.SamplingParams\x12\x0b\n\x03\x61pp\x18\x0b \x01(\t\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\x05\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x18\n\x0bspeculation\x18\x0e \x01(\x08H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0e\n\x0c_speculation\"\xa0\x03\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x33\n\x08messages\x18\x02 \x03(\x0b\x32!.tokenserve.common.v1.ChatMessage\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x36\n\x08sampling\x18\n \x01(\x0b\x32$.tokenserve.common.v1.SamplingParams\x12\x0b\n\x03\x61pp\x18\x0b \x01(\t\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\x05\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x18\n\x0bspeculation\x18\x0e \x01(\x08H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0e\n\x0c_speculation\"\xfb\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".tokenserve.common.v1.FinishReason\x12*\n\x05usage\x18\x04 \x01(\x0b\x32\x1b.tokenserve.common.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\rmodel_version\x18\x06 \x01(\t\x12\x34\n\x08logprobs\x18\x07 \x03(\x0b\x32\".tokenserve.common.v1.TokenLogprob\"s\n\x12\x43ountTokensRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\x04\x63hat\x18\x03 \x01(\x0b\x32#.tokenserve.gateway.v1.ChatMessagesH\x00\x42\x07\n\x05input\"C\n\x0c\x43hatMessages\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.tokenserve.common.v1.ChatMessage\"$\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x05\"\x13\n\x11ListModelsRequest\"a\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x35\n\x08versions\x18\x02 \x03(\x0b\x32#.tokenserve.gateway.v1.ModelVersion\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\"/\n\x0cModelVersion\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x05\"B\n\x12ListModelsResponse\x12,\n\x06models\x18\x01 \x03(\x0b\x32\x1c.tokenserve.gateway.v1.Model\"\x88\x01\n\x0fGetUsageRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x01\x12.\n\x08group_by\x18\x04 \x03(\x0e\x32\x1c.tokenserve.meter.v1.GroupBy\x12\x16\n\x0e\x62ucket_seconds\x18\x05 \x01(\x05\"?\n\x10GetUsageResponse\x12+\n\x04rows\x18\x01 \x03(\x0b\x32\x1d.tokenserve.meter.v1.UsageRow2\xee\x03\n\x10InferenceService\x12]\n\x08Generate\x12&.tokenserve.gateway.v1.GenerateRequest\x1a\'.tokenserve.gateway.v1.GenerateResponse0\x01\x12U\n\x04\x43hat\x12\".tokenserve.gateway.v1.ChatRequest\x1a\'.tokenserve.gateway.v1.GenerateResponse0\x01\x12\x64\n\x0b\x43ountTokens\x12).tokenserve.gateway.v1.CountTokensRequest\x1a*.tokenserve.gateway.v1.CountTokensResponse\x12\x61\n\nListModels\x12(.tokenserve.gateway.v1.ListModelsRequest\x1a).tokenserve.gateway.v1.ListModelsResponse\x12[\n\x08GetUsage\x12&.tokenserve.gateway.v1.GetUsageRequest\x1a\'.tokenserve.gateway.v1.GetUsageResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenserve.gateway.v1.gatew
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=131
-  _globals['_GENERATEREQUEST']._serialized_end=472
-  _globals['_CHATREQUEST']._serialized_start=475
-  _globals['_CHATREQUEST']._serialized_end=849
-  _globals['_GENERATERESPONSE']._serialized_start=852
-  _globals['_GENERATERESPONSE']._serialized_end=1103
-  _globals['_COUNTTOKENSREQUEST']._serialized_start=1105
-  _globals['_COUNTTOKENSREQUEST']._serialized_end=1220
-  _globals['_CHATMESSAGES']._serialized_start=1222
-  _globals['_CHATMESSAGES']._serialized_end=1289
-  _globals['_COUNTTOKENSRESPONSE']._serialized_start=1291
-  _globals['_COUNTTOKENSRESPONSE']._serialized_end=1327
-  _globals['_LISTMODELSREQUEST']._serialized_start=1329
-  _globals['_LISTMODELSREQUEST']._serialized_end=1348
-  _globals['_MODEL']._serialized_start=1350
-  _globals['_MODEL']._serialized_end=1447
-  _globals['_MODELVERSION']._serialized_start=1449
-  _globals['_MODELVERSION']._serialized_end=1496
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1498
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1564
-  _globals['_GETUSAGEREQUEST']._serialized_start=1567
-  _globals['_GETUSAGEREQUEST']._serialized_end=1703
-  _globals['_GETUSAGERESPONSE']._serialized_start=1705
-  _globals['_GETUSAGERESPONSE']._serialized_end=1768
-  _globals['_INFERENCESERVICE']._serialized_start=1771
-  _globals['_INFERENCESERVICE']._serialized_end=2265
+  _globals['_GENERATEREQUEST']._serialized_end=514
+  _globals['_CHATREQUEST']._serialized_start=517
+  _globals['_CHATREQUEST']._serialized_end=933
+  _globals['_GENERATERESPONSE']._serialized_start=936
+  _globals['_GENERATERESPONSE']._serialized_end=1187
+  _globals['_COUNTTOKENSREQUEST']._serialized_start=1189
+  _globals['_COUNTTOKENSREQUEST']._serialized_end=1304
+  _globals['_CHATMESSAGES']._serialized_start=1306
+  _globals['_CHATMESSAGES']._serialized_end=1373
+  _globals['_COUNTTOKENSRESPONSE']._serialized_start=1375
+  _globals['_COUNTTOKENSRESPONSE']._serialized_end=1411
+  _globals['_LISTMODELSREQUEST']._serialized_start=1413
+  _globals['_LISTMODELSREQUEST']._serialized_end=1432
+  _globals['_MODEL']._serialized_start=1434
+  _globals['_MODEL']._serialized_end=1531
+  _globals['_MODELVERSION']._serialized_start=1533
+  _globals['_MODELVERSION']._serialized_end=1580
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1582
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1648
+  _globals['_GETUSAGEREQUEST']._serialized_start=1651
+  _globals['_GETUSAGEREQUEST']._serialized_end=1787
+  _globals['_GETUSAGERESPONSE']._serialized_start=1789
+  _globals['_GETUSAGERESPONSE']._serialized_end=1852
+  _globals['_INFERENCESERVICE']._serialized_start=1855
+  _globals['_INFERENCESERVICE']._serialized_end=2349
 # @@protoc_insertion_point(module_scope)

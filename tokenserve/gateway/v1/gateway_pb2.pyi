@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "request_id", "sampling", "app", "top_logprobs", "logprobs")
+    __slots__ = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "request_id", "sampling", "app", "top_logprobs", "logprobs", "speculation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class GenerateRequest(_message.Message):
     APP_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     max_tokens: int
@@ -36,10 +37,11 @@ class GenerateRequest(_message.Message):
     app: str
     top_logprobs: int
     logprobs: bool
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., app: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    speculation: bool
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., app: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., speculation: _Optional[bool] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "request_id", "sampling", "app", "top_logprobs", "logprobs")
+    __slots__ = ("model", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "request_id", "sampling", "app", "top_logprobs", "logprobs", "speculation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +55,7 @@ class ChatRequest(_message.Message):
     APP_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     max_tokens: int
@@ -66,7 +69,8 @@ class ChatRequest(_message.Message):
     app: str
     top_logprobs: int
     logprobs: bool
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., app: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    speculation: bool
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., app: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., speculation: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "request_id", "model_version", "logprobs")

@@ -1,0 +1,286 @@
+"""Speculative decoding (prompt lookup) through the public API: on vs off in the same run.
+
+    python -m bench.speculative [--runs 3] [--max-tokens 192] [--concurrency 1,16]
+
+Starts the whole suite (etcd, tokenizer, meter, engine, gateway: controlplane.launcher.Suite
+on ephemeral ports), issues a premium-tier key and streams Chat requests through the gateway
+with the SDK (tokenserve.client.AsyncClient). Workloads, greedy:
+  - code_edit: rewrite a 60-line Python function with one small change (the answer copies
+    most of the prompt);
+  - tool_call: fill a JSON schema given in the prompt (the answer copies key names);
+  - chat: free-form questions (little to copy).
+Each at 1 and 16 concurrent streams, with `speculation` left to the engine (on) and turned
+off per request, alternating which goes first. Every request starts with a fresh nonce, so
+no request finds another's prompt in the prefix cache. Greedy output is the same either way
+(the engine guarantees it; the bench checks the token counts agree).
+
+Per stream: TTFT (send -> first token) and per-user tokens/s (completion tokens after the
+first / time from first to last token); per workload: median per-user tok/s, aggregate tok/s
+(tokens / wall time), p50 TTFT, and the draft acceptance rate from the engine's /metrics.
+Medians over --runs. Writes bench/results/speculative.json (with the CPU flags) and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+TENANT = "bench-speculative"
+
+# -- workloads --------------------------------------------------------------------------
+_FIELDS = ["order_id", "customer", "amount", "currency", "status", "region", "created_at",
+           "items", "discount", "notes"]
+
+
+def code_function(seed: int) -> str:
+    """A 60-line function, different per seed."""
+    name = ["orders", "invoices", "shipments", "payments", "refunds", "tickets"][seed % 6]
+    lines = [f"def summarize_{name}(records, threshold=10, verbose=False):",
+             f'    """Group {name} by region and total the amounts above threshold."""',
+             "    totals = {}", "    counts = {}", "    skipped = 0"]
+    i = 0
+    while len(lines) < 56:
+        f = _FIELDS[(seed + i) % len(_FIELDS)]
+        lines += [f"    for record in records:",
+                  f"        value = record.get(\"{f}\")",
+                  f"        if value is None or value < threshold + {i}:",
+                  "            skipped += 1",
+                  "            continue",
+                  f"        totals[\"{f}\"] = totals.get(\"{f}\", 0) + value",
+                  f"        counts[\"{f}\"] = counts.get(\"{f}\", 0) + 1"]
+        i += 1
+    lines += ["    if verbose:", "        print(f\"skipped {skipped} records\")",
+              "    averages = {k: totals[k] / counts[k] for k in totals}", "    return totals, averages"]
+    return "\n".join(lines[:60])
+
+
+def code_edit(seed: int) -> list[dict]:
+    return [{"role": "system", "content": "You are a coding assistant. Answer with code only."},
+            {"role": "user", "content": "Rewrite this function with the parameter `threshold` renamed"
+             f" to `minimum`; keep everything else the same.\n\n```python\n{code_function(seed)}\n```"}]
+
+
+def tool_call(seed: int) -> list[dict]:
+    props = {f: {"type": "number" if f in ("amount", "discount") else "string",
+                 "description": f"the {f.replace('_', ' ')} of the order"} for f in _FIELDS}
+    schema = {"name": "create_order", "description": "Create an order in the shop system",
+              "parameters": {"type": "object", "properties": props, "required": _FIELDS[:5]}}
+    city = ["Paris", "Osaka", "Lima", "Oslo", "Cairo", "Perth"][seed % 6]
+    return [{"role": "system", "content": "You call tools. Answer with one JSON object that"
+             f" fills every field of this schema:\n{json.dumps(schema, indent=2)}"},
+            {"role": "user", "content": f"Customer Ana Lopez in {city} ordered 3 lamps for 120.50"
+             f" EUR today; order {4000 + seed}, status pending, 5% discount."}]
+
+
+CHAT_QUESTIONS = ["Why is the sky blue?", "Give me three tips for a job interview.",
+                  "What should I cook tonight with rice and beans?",
+                  "Explain how vaccines train the immune system.",
+                  "Write a short poem about autumn rain.", "What makes a good team leader?",
+                  "How do airplanes stay in the air?", "Suggest a weekend plan in a small town."]
+
+
+def chat(seed: int) -> list[dict]:
+    return [{"role": "system", "content": "You are a friendly assistant."},
+            {"role": "user", "content": CHAT_QUESTIONS[seed % len(CHAT_QUESTIONS)]}]
+
+
+WORKLOADS = {"code_edit": code_edit, "tool_call": tool_call, "chat": chat}
+
+
+def with_nonce(messages: list[dict], nonce: str) -> list[dict]:
+    """A unique first line, so no request reuses another's prompt from the prefix cache."""
+    first = dict(messages[0], content=f"[session {nonce}] " + messages[0]["content"])
+    return [first, *messages[1:]]
+
+
+# -- measuring ---------------------------------------------------------------------------
+async def one_stream(client, messages, max_tokens: int, speculation: bool | None) -> dict:
+    opts = {} if speculation is None else {"speculation": speculation}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async for chunk in client.chat(messages, max_tokens=max_tokens, temperature=0.0, **opts):
+        if chunk.token_ids:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            tokens += len(chunk.token_ids)
+    per_user = (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")
+    return {"ttft_s": (first or time.perf_counter()) - t0, "tokens": tokens,
+            "per_user_tok_s": per_user}
+
+
+def draft_counters(metrics_url: str) -> tuple[float, float]:
+    body = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+
+    def value(name):
+        return sum(float(line.split()[-1]) for line in body.splitlines()
+                   if line.startswith(name + " "))
+    return (value("tokenserve_engine_draft_tokens_proposed_total"),
+            value("tokenserve_engine_draft_tokens_accepted_total"))
+
+
+async def run_load(target: str, key: str, metrics_url: str, workload: str, streams: int,
+                   speculation: bool | None, max_tokens: int, nonce: str) -> dict:
+    from tokenserve.client import AsyncClient
+
+    make = WORKLOADS[workload]
+    before = draft_counters(metrics_url)
+    async with AsyncClient(target, key, timeout=600) as client:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*[
+            one_stream(client, with_nonce(make(i), f"{nonce}-{i}"), max_tokens, speculation)
+            for i in range(streams)])
+        wall = time.perf_counter() - t0
+    after = draft_counters(metrics_url)
+    proposed, accepted = after[0] - before[0], after[1] - before[1]
+    tokens = sum(r["tokens"] for r in res)
+    return {"tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall,
+            "per_user_tok_s": statistics.median(r["per_user_tok_s"] for r in res),
+            "ttft_p50_s": statistics.median(r["ttft_s"] for r in res),
+            "draft_proposed": proposed, "draft_accepted": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0}
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return []
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+async def create_tenant(endpoint: str) -> None:
+    from controlplane import admin
+    from controlplane.store import ConfigStore
+
+    store = ConfigStore([endpoint])
+    try:
+        if await store.get(f"tenants/{TENANT}") is None:
+            await admin.create_tenant(store, TENANT, "Speculative decoding bench", "premium",
+                                      actor="bench")
+    finally:
+        await store.close()
+
+
+def main(argv=None) -> int:
+    from controlplane.launcher import Suite, SuitePorts
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--engine-arg", action="append", default=None,
+                    help="engine flag (default: --quantization=int8 --kv-cache-dtype=float16,"
+                         " the fast CPU setting)")
+    ap.add_argument("--out", default=str(RESULTS / "speculative"))
+    a = ap.parse_args(argv)
+    engine_args = a.engine_arg if a.engine_arg is not None else [
+        "--quantization=int8", "--kv-cache-dtype=float16"]
+    conc = [int(c) for c in a.concurrency.split(",")]
+    names = a.workloads.split(",")
+    data = Path(tempfile.mkdtemp(prefix="bench-speculative-"))
+    suite = Suite(data, SuitePorts.ephemeral(), engine_args=tuple(engine_args),
+                  say=lambda m: print(m, flush=True))
+    raw: dict[str, list[dict]] = {}
+    try:
+        suite.start()
+        asyncio.run(create_tenant(suite.etcd_endpoint))
+        key = suite.issue_key(TENANT)
+        target = suite.address("gateway")
+        metrics_url = f"http://127.0.0.1:{suite.ports.engine_metrics}/metrics"
+        time.sleep(1.5)  # the gateway sees the new key through its etcd watch
+
+        def load(w, c, spec, nonce):
+            return asyncio.run(run_load(target, key, metrics_url, w, c, spec, a.max_tokens, nonce))
+
+        load("chat", 2, None, "warmup")
+        for run in range(a.runs):
+            for w in names:
+                for c in conc:
+                    modes = [("on", None), ("off", False)]
+                    if run % 2:
+                        modes.reverse()  # neither mode always runs first
+                    for mode, spec in modes:
+                        r = load(w, c, spec, f"r{run}-{w}-{c}-{mode}")
+                        raw.setdefault(f"{w}/c{c}/{mode}", []).append(r)
+                        print(f"run {run} {w:9s} c={c:<2d} {mode:3s} per-user {r['per_user_tok_s']:6.1f}"
+                              f" tok/s  aggregate {r['aggregate_tok_s']:6.1f} tok/s  ttft p50"
+                              f" {r['ttft_p50_s']:.2f}s  acceptance {r['acceptance_rate']:.2f}"
+                              f"  tokens {r['tokens']}", flush=True)
+    finally:
+        suite.stop()
+
+    results = {k: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for k, rs in raw.items()}
+    ratios = {}
+    for w in names:
+        for c in conc:
+            on, off = results.get(f"{w}/c{c}/on"), results.get(f"{w}/c{c}/off")
+            if on and off:
+                ratios[f"{w}/c{c}"] = {
+                    "per_user_on_over_off": round(on["per_user_tok_s"] / off["per_user_tok_s"], 3),
+                    "aggregate_on_over_off": round(on["aggregate_tok_s"] / off["aggregate_tok_s"], 3),
+                    "ttft_on_over_off": round(on["ttft_p50_s"] / off["ttft_p50_s"], 3)}
+    report = {"benchmark": "speculative", "when": datetime.now(timezone.utc).isoformat(),
+              "machine": {"cpus": len(os.sched_getaffinity(0)), "cpu": cpu_model(),
+                          "platform": platform.platform(), "cpu_flags": cpu_flags(),
+                          "load_avg_at_end": os.getloadavg()},
+              "model": "SmolLM2-135M-Instruct Q4_1 (GGUF)", "engine_args": engine_args,
+              "path": "SDK -> gateway -> engine (whole suite, premium tier), Chat, greedy",
+              "runs": a.runs, "max_tokens": a.max_tokens, "results": results,
+              "ratios": ratios, "raw": raw}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    Path(a.out + ".json").write_text(json.dumps(report, indent=2))
+    plot(results, names, conc, Path(a.out + ".png"))
+    print(json.dumps(ratios, indent=2))
+    return 0
+
+
+def plot(results: dict, names: list[str], conc: list[int], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = [f"{w}/c{c}" for w in names for c in conc]
+    metrics = [("per_user_tok_s", "per-user tokens/s (median stream)"),
+               ("aggregate_tok_s", "aggregate tokens/s"), ("ttft_p50_s", "p50 TTFT (s)"),
+               ("acceptance_rate", "draft acceptance rate")]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    for ax, (key, title) in zip(axes, metrics):
+        for i, mode in enumerate(("off", "on")):
+            xs = [j + i * 0.4 for j in range(len(groups))]
+            ax.bar(xs, [results.get(f"{g}/{mode}", {}).get(key, 0) for g in groups], 0.4,
+                   label=f"speculation {mode}")
+        ax.set_xticks([j + 0.2 for j in range(len(groups))], groups, rotation=30, ha="right")
+        ax.set_title(title)
+    axes[0].legend()
+    fig.suptitle("SmolLM2-135M through the gateway: prompt-lookup speculative decoding on vs off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
