@@ -163,7 +163,7 @@ async def concurrent(paths: Paths, rounds: int, streams: int = 64, max_tokens: i
 
 def start_gateway(suite: Suite, data: Path, name: str, quota_store: str) -> tuple[str, subprocess.Popen]:
     port = free_port()
-    cmd = [sys.executable, "-m", "services.gateway", "--port", str(port), "--metrics-port", "-1",
+    cmd = [sys.executable, "-m", "services.gateway", "--port", str(port), "--metrics-port", "-1", "--http-port", "-1",
            "--etcd-endpoints", suite.etcd_endpoint, "--tokenizer", suite.address("tokenizer"),
            "--meter", suite.address("meter"), "--snapshot", str(data / f"{name}.json"),
            "--spool", str(data / f"{name}.db"), "--quota-store", quota_store,

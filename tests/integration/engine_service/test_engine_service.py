@@ -207,13 +207,13 @@ async def test_metrics_endpoint_exports_engine_metrics(stub, metrics_port):
         assert name in body
 
 
-def _metric(engine, name: str) -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{engine.metrics_port}/metrics",
+def _metric(metrics_port: int, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
                                   timeout=10).read().decode()
     return sum(float(line.split()[-1]) for line in body.splitlines() if line.startswith(name + " "))
 
 
-async def test_speculation_opt_out_changes_speed_not_output(engine, stub, tokenizer):
+async def test_speculation_opt_out_changes_speed_not_output(metrics_port, stub, tokenizer):
     """A code edit repeats its prompt: drafts are proposed and accepted, and the tokens and
     usage equal those of the same request with speculation off (which drafts nothing)."""
     code = "\n".join(f"    total_{i} = compute(values[{i}], scale={i})" for i in range(12))
@@ -221,11 +221,11 @@ async def test_speculation_opt_out_changes_speed_not_output(engine, stub, tokeni
                               "    total_0 = compute(values[0], scale=0)\n    total_1 =")
     proposed = "tokenserve_engine_draft_tokens_proposed_total"
     accepted = "tokenserve_engine_draft_tokens_accepted_total"
-    before = _metric(engine, proposed), _metric(engine, accepted)
+    before = _metric(metrics_port, proposed), _metric(metrics_port, accepted)
     off = await generate(stub, prompt_token_ids=prompt, max_tokens=48, speculation=False)
-    assert (_metric(engine, proposed), _metric(engine, accepted)) == before
+    assert (_metric(metrics_port, proposed), _metric(metrics_port, accepted)) == before
     on = await generate(stub, prompt_token_ids=prompt, max_tokens=48)
-    assert _metric(engine, accepted) > before[1]
+    assert _metric(metrics_port, accepted) > before[1]
     assert [t for m in on for t in m.token_ids] == [t for m in off for t in m.token_ids]
     assert "".join(m.text for m in on) == "".join(m.text for m in off)
     assert on[-1].usage.completion_tokens == off[-1].usage.completion_tokens
