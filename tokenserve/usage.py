@@ -13,7 +13,7 @@ import enum
 import json
 import operator
 import typing
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
 from tokenserve.common.v1 import common_pb2
@@ -89,7 +89,8 @@ def from_values(values: Mapping[str, Any]) -> UsageRecord:
 
 
 def to_json(record: UsageRecord) -> str:
-    return json.dumps(asdict(record))
+    # Flat fields only: zip beats dataclasses.asdict (a deep copy) by ~20x, per request.
+    return json.dumps(dict(zip(FIELDS, _values(record))))
 
 
 def from_json(text: str) -> UsageRecord:
