@@ -35,6 +35,7 @@ from bench.machine import machine_facts  # noqa: E402
 from controlplane import admin  # noqa: E402
 from controlplane.launcher import Suite, SuitePorts  # noqa: E402
 from controlplane.store import ConfigStore  # noqa: E402
+from tokenserve.common.v1 import common_pb2  # noqa: E402
 from tokenserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -63,7 +64,7 @@ async def chat(stub, key: str, max_tokens: int) -> tuple[str, float | None, int]
     started, first, tokens = time.monotonic(), None, 0
     try:
         async for m in stub.Chat(gateway_pb2.ChatRequest(
-                messages=[gateway_pb2.ChatMessage(role="user", content=QUESTION)],
+                messages=[common_pb2.ChatMessage(role="user", content=QUESTION)],
                 max_tokens=max_tokens), metadata=(("authorization", f"Bearer {key}"),),
                 timeout=300):
             if m.token_ids and first is None:

@@ -24,7 +24,11 @@ Policies:
   out the lowest-priority (then youngest) running sequence is preempted and recomputed.
 - fair share: among waiting sequences of the top priority, the tenant with the fewest
   running sequences is admitted next (ties: the tenant admitted least recently), FIFO
-  within a tenant, so no tenant starves another of the same priority.
+  within a tenant, so no tenant starves another of the same priority. When every slot is
+  taken and a waiting tenant of the top priority runs fewer sequences than its share
+  (max_num_seqs / tenants with work at that priority), the tenant running the most beyond
+  its share gives up its youngest slot (recompute preemption), so a flooding tenant cannot
+  hold every slot while another waits for its first token.
 
 Speculative decoding (`speculation`): a decoding sequence may carry draft tokens guessed by
 prompt lookup (speculation.py) after its last token; the runner verifies them in the same
@@ -39,6 +43,7 @@ Pure Python (no torch); unit-tested with hand-built runner outputs.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
@@ -195,6 +200,7 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         chunks: list[SeqChunk] = []
+        self._free_a_fair_slot()
         # decodes first, then unfinished prefills; each by priority then age
         self.running.sort(key=lambda s: (s.num_remaining > 1, -s.priority, s.arrival))
         prompt_left = self._prompt_allowance()
@@ -328,6 +334,23 @@ class Scheduler:
         return min((s for s in self.waiting if s.priority == top),
                    key=lambda s: (running_per_tenant.get(s.tenant_id, 0),
                                   self._tenant_last_admit.get(s.tenant_id, -1), s.arrival))
+
+    def _free_a_fair_slot(self) -> None:
+        """With every slot taken, preempts the youngest sequence of the tenant furthest over
+        its share when a waiting tenant of the top priority is under its share."""
+        if not self.waiting or len(self.running) < self.config.max_num_seqs:
+            return
+        top = max(s.priority for s in self.waiting)
+        running = Counter(s.tenant_id for s in self.running if s.priority <= top)
+        tenants = set(running) | {s.tenant_id for s in self.waiting if s.priority == top}
+        share = self.config.max_num_seqs // len(tenants)
+        if not any(s.priority == top and running[s.tenant_id] < share for s in self.waiting):
+            return
+        heavy, held = running.most_common(1)[0]
+        if held > share:
+            self._preempt(max((s for s in self.running
+                               if s.tenant_id == heavy and s.priority <= top),
+                              key=lambda s: s.arrival))
 
     def _pick_victim(self, scheduled: set[int]) -> Sequence:
         """Lowest priority, then youngest, among running sequences not yet in this batch."""
