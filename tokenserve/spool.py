@@ -224,7 +224,9 @@ class SpoolSender:
         """Sends everything spooled now, batch by batch; returns events sent. Raises on the
         first failed batch (those events stay spooled)."""
         sent = 0
-        while batch := self._spool.oldest(self._batch_size):
+        # SQLite reads and the JSON decoding run on a worker thread: after an outage a batch
+        # is hundreds of records, tens of milliseconds the event loop keeps for requests.
+        while batch := await asyncio.to_thread(self._spool.oldest, self._batch_size):
             try:
                 await self._send([r for _, r in batch])
             except Refused as e:
@@ -233,6 +235,8 @@ class SpoolSender:
                 log.error("usage_record_refused", event_id=record.event_id,
                           request_id=record.request_id, reason=e.reason[:300])
                 continue
+            # At once, with no await between the meter's answer and the delete: a sender
+            # stopped here would send the batch again.
             self._spool.delete([seq for seq, _ in batch])
             sent += len(batch)
             if self._on_sent:
@@ -251,7 +255,8 @@ class SpoolSender:
             except Exception as e:  # noqa: BLE001 - meter down or refusing: retry later
                 self.backoff = min(self._max_backoff, max(self._min_backoff, self.backoff * 2))
                 log.warning("usage_send_failed", error_type=type(e).__name__,
-                            pending=len(self._spool), retry_in_seconds=self.backoff)
+                            pending=await asyncio.to_thread(len, self._spool),
+                            retry_in_seconds=self.backoff)
                 # New events do not shorten the backoff: the meter is what we wait for.
                 await asyncio.sleep(self.backoff)
 
