@@ -252,8 +252,8 @@ def main() -> int:
                   "tenant_month_query_ms": 100},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "cpu_flags": cpu_flags(), "load_avg_at_end": os.getloadavg()},
-        "note": "shared 2-core machine with other engineers' jobs running; the meter, the"
-                " client and PostgreSQL share the cores. Ingest figures are medians of runs.",
+        "note": "the meter, the client and PostgreSQL share the machine's cores (load_avg_at_end"
+                " says how busy it was). Ingest figures are medians of runs.",
         "backends": backends,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
