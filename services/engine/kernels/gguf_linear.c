@@ -120,7 +120,7 @@ static inline vi load_u8(const uint8_t *q) { return _mm256_cvtepu8_epi32(_mm_loa
 
 const char *gguf_isa(void) { return ISA_NAME; }
 
-int64_t gguf_block_bytes(int fmt) {
+static inline int64_t block_bytes(int fmt) {
     switch (fmt) {
         case FMT_Q8_0: return 34;
         case FMT_Q4_0: return 18;
@@ -131,13 +131,17 @@ int64_t gguf_block_bytes(int fmt) {
     }
 }
 
+/* Exported for callers; the kernels use the inlinable block_bytes (a call to an exported
+   function from a -fPIC library cannot be inlined: it would cost a PLT call per block). */
+int64_t gguf_block_bytes(int fmt) { return block_bytes(fmt); }
+
 /* weights per stored block */
 static inline int64_t block_weights(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q6_K ? 256 : QK; }
 
 /* Bytes of one row of K weights, or 0 where K does not fill whole blocks. */
 static inline int64_t row_bytes(int fmt, int64_t K) {
     int64_t bw = block_weights(fmt);
-    return K % bw ? 0 : K / bw * gguf_block_bytes(fmt);
+    return K % bw ? 0 : K / bw * block_bytes(fmt);
 }
 
 /* Q4_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes s. */
@@ -173,7 +177,7 @@ static inline __attribute__((always_inline)) void scales(int fmt, const uint8_t 
         *m = vzero();
         return;
     }
-    const uint8_t *blk = row + b * gguf_block_bytes(fmt);
+    const uint8_t *blk = row + b * block_bytes(fmt);
     *d = vset1(f16(blk));
     *m = fmt == FMT_Q4_1 ? vset1(f16(blk + 2)) : vzero();
 }
@@ -201,7 +205,7 @@ static inline __attribute__((always_inline)) vf dequant(int fmt, const uint8_t *
         float sc = (float)(int8_t)sb[192 + j * 2 + (c * VW) / 16];
         return vmul(vmul(d, vset1(sc)), vcvt(q));
     }
-    const uint8_t *blk = row + b * gguf_block_bytes(fmt);
+    const uint8_t *blk = row + b * block_bytes(fmt);
     switch (fmt) {
         case FMT_Q8_0: return vmul(vcvt(load_i8(blk + 2, c)), d);
         case FMT_Q4_0: return vmul(d, vcvt(vsub_i(load_nib(blk + 2, c), 8)));
@@ -378,7 +382,7 @@ int gguf_linear(int fmt, const float *x, const uint8_t *w, float *y, int64_t M, 
 
 /* w as float32 [N, K] (the reference dequantization, for tests and fallbacks). */
 int gguf_dequantize(int fmt, const uint8_t *w, float *out, int64_t N, int64_t K) {
-    int64_t rb = gguf_block_bytes(fmt) ? row_bytes(fmt, K) : 0;
+    int64_t rb = block_bytes(fmt) ? row_bytes(fmt, K) : 0;
     if (rb == 0) return -1;
     #pragma omp parallel for schedule(dynamic) if (N * K >= (1 << 16))
     for (int64_t n = 0; n < N; n++) {
