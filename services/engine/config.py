@@ -12,6 +12,7 @@ from tokenserve.runtime.config import check_endpoint, check_ports
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8")  # what each means: services/engine/quant.py
+PREFILL_DTYPES = ("auto", "bfloat16", "float32")  # likewise
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class EngineConfig:
     # What the KV cache stores (None: float16 when quantized, else dtype). float16 halves its
     # memory and decode reads.
     kv_cache_dtype: str | None = None
+    # Prompt rows of a step: "auto" multiplies them in bfloat16 where the CPU does so natively
+    # (a bfloat16 copy of the GGUF weights, 2 bytes a weight); "float32": the file's blocks.
+    prefill_dtype: str = "auto"
     # CPU threads for torch (None: every core this process may use).
     threads: int | None = None
     # Most requests running at once (batch rows); more wait, up to max_waiting.
@@ -81,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.prefill_dtype not in PREFILL_DTYPES:
+            raise ValueError(f"prefill_dtype must be one of {PREFILL_DTYPES}, got {self.prefill_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.threads is not None and self.threads < 1:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from services.engine.block_manager import BlockManager
-from services.engine.config import EngineConfig
+from services.engine.config import PREFILL_DTYPES, EngineConfig
 from services.engine.energy import energy_source
 from services.engine.engine_core import EngineCore, text_stream_factory
 from services.engine.engine_loop import AsyncEngine
@@ -51,6 +51,11 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                    help="float32 | float16 | bfloat16 for the KV cache (default: float16 when"
                         " quantized, else --dtype); float16 halves its memory and what decode"
                         " attention reads")
+    p.add_argument("--prefill-dtype", default="auto", choices=PREFILL_DTYPES,
+                   help="prompt rows of a step: auto (default) multiplies them in bfloat16 where"
+                        " the CPU does so natively (AMX or AVX512-BF16; keeps a bfloat16 copy of"
+                        " the GGUF weights), float32 on the file's own blocks; decode rows always"
+                        " use the file's blocks")
     p.add_argument("--exact", action="store_true",
                    help="the bit-faithful mode: float32 dense weights, activations and KV cache"
                         " (same as --quantization none --dtype float32); slower")
@@ -90,8 +95,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
     if a.exact:
-        if a.quantization not in ("auto", "none") or a.dtype != "float32" or a.kv_cache_dtype not in (None, "float32"):
-            p.error("--exact is float32 without quantization: drop --quantization/--dtype/--kv-cache-dtype")
+        if (a.quantization not in ("auto", "none") or a.dtype != "float32"
+                or a.kv_cache_dtype not in (None, "float32") or a.prefill_dtype == "bfloat16"):
+            p.error("--exact is float32 without quantization: drop --quantization/--dtype/"
+                    "--kv-cache-dtype/--prefill-dtype")
         a.quantization, a.kv_cache_dtype = "none", "float32"
     try:
         return EngineConfig(
@@ -99,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             version=a.version, host=a.host, port=a.port,
             metrics_port=a.metrics_port, device=a.device,
             dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
-            threads=a.threads,
+            prefill_dtype=a.prefill_dtype, threads=a.threads,
             max_concurrency=a.max_concurrency, max_waiting=a.max_waiting,
             max_batched_tokens=a.max_batched_tokens, itl_target_ms=a.itl_target_ms,
             burst_hold_ms=a.burst_hold_ms,
@@ -131,7 +138,7 @@ def build_core(config: EngineConfig) -> EngineCore:
     runner = ModelRunner(
         config.model_path, device=config.device, dtype=config.dtype,
         quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
-        block_size=config.block_size,
+        prefill_dtype=config.prefill_dtype, block_size=config.block_size,
         kv_cache_bytes=config.kv_cache_mb * 2**20 if config.kv_cache_mb else None,
         max_num_seqs=config.max_concurrency, progress=progress, num_threads=config.threads)
     tokenizer = load_model_tokenizer(config.model_path)

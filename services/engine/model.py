@@ -23,7 +23,8 @@ class LlamaModel:
     """Weights plus forward(); holds no per-request state (that lives in the KV cache)."""
 
     def __init__(self, loaded: LoadedWeights, *, dtype: torch.dtype = torch.float32,
-                 quantization: str = "none", device: str = "cpu", fused_kernels: bool = True):
+                 quantization: str = "none", device: str = "cpu", fused_kernels: bool = True,
+                 prefill_bf16: bool = False):
         c = self.config = loaded.config
         t = loaded.tensors
         self.dtype, self.device = dtype, device
@@ -34,7 +35,7 @@ class LlamaModel:
         def dense(w: torch.Tensor) -> torch.Tensor:
             return w.to(device=device, dtype=dtype).contiguous()
 
-        def lin(*names: str):
+        def lin(*names: str, prefill: bool = True):
             """One linear over the rows of the named weights: their file blocks where the loader
             kept them all in one format (quantization "auto"), else float."""
             blocks = [loaded.quantized.get(n) for n in names]
@@ -42,10 +43,11 @@ class LlamaModel:
             if fused is None:
                 fused = torch.cat([t[n] if n in t else loaded.quantized[n].dequantize() for n in names])
             return make_linear(fused, quantization=quantization, dtype=dtype, device=device,
-                               kernels=fused_kernels)
+                               kernels=fused_kernels, prefill_bf16=prefill_bf16 and prefill)
 
         self.embed = dense(t["embed"])  # [V, E]
-        self.lm_head = lin("embed" if c.tie_embeddings else "lm_head")
+        # logits are taken for a few rows a step: the head never needs a prefill copy
+        self.lm_head = lin("embed" if c.tie_embeddings else "lm_head", prefill=False)
         self.norm = dense(t["norm"])
         self.layers = []
         for i in range(c.num_layers):
@@ -74,8 +76,9 @@ class LlamaModel:
         sin = self.rope_sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)  # [T, E], residual stream (updated in place)
         h = self._norm(x, None, self.layers[0].attn_norm)
+        p = meta.decode_start  # rows [0, p) are prompt tokens, [p, T) decodes
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(h)  # [T, (H + 2 Hkv) D]
+            qkv = layer.qkv(h, p)  # [T, (H + 2 Hkv) D]
             qk = qkv[:, :self.q_size + self.kv_size].view(t, nq, c.head_dim)
             qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)  # RoPE, rotate-half
             q = qk[:, :c.num_heads]
@@ -83,8 +86,8 @@ class LlamaModel:
             v = qkv[:, self.q_size + self.kv_size:].view(t, c.num_kv_heads, c.head_dim)
             write_kv(kv.k[i], kv.v[i], k, v, meta.slots)
             attn = attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self._kernels)  # [T, H * D]
-            h = self._norm(x, layer.o(attn), layer.ffn_norm)
-            mlp = layer.down(self._silu_mul(layer.gate_up(h)))
+            h = self._norm(x, layer.o(attn, p), layer.ffn_norm)
+            mlp = layer.down(self._silu_mul(layer.gate_up(h, p)), p)
             if i + 1 < len(self.layers):
                 h = self._norm(x, mlp, self.layers[i + 1].attn_norm)
             else:

@@ -10,6 +10,14 @@ Quantization modes:
         compiler) the blocks are dequantized once and multiplied by torch in float32.
   none  dense weights in the model dtype (float32: the bit-faithful `--exact` mode)
   int8  every weight re-quantized to per-channel int8
+
+Prefill (`prefill_dtype`): a step's prompt rows are compute-bound, its decode rows read the
+weights once for the whole batch. Where the CPU multiplies bfloat16 natively (AMX or
+AVX512-BF16), a GGUF linear also keeps its weights as bfloat16 (the file's numbers, rounded to
+bfloat16: 2 bytes a weight more) and multiplies a step's prompt rows with them when there are at
+least PREFILL_MIN_ROWS; decode rows always use the file's blocks. Measured on a 2-core AVX-512
+AMX Xeon, SmolLM2's 3072x576 gate/up matrix: 1000 rows 27 ms on the blocks, 2.1 ms in bfloat16;
+32 rows 0.69 vs 0.38 ms. Greedy agreement with the float32 reference: bench/engine_cpu.py.
 """
 from __future__ import annotations
 
@@ -17,9 +25,25 @@ import torch
 import torch.nn.functional as F
 
 from services.engine import cpu_kernels, gguf_kernels
+from services.engine.config import PREFILL_DTYPES
 from services.engine.gguf_kernels import GGUFWeight
 
 QUANTIZATIONS = ("auto", "none", "int8")
+# Fewer prompt rows than this in a step: the blocks' kernel (the bfloat16 copy wins from ~32 on).
+PREFILL_MIN_ROWS = 32
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AMX or AVX512-BF16)."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_kernels.cpu_flags())
+
+
+def prefill_in_bfloat16(prefill_dtype: str, device: str) -> bool:
+    if prefill_dtype not in PREFILL_DTYPES:
+        raise ValueError(f"prefill_dtype must be one of {PREFILL_DTYPES}, got {prefill_dtype!r}")
+    if prefill_dtype == "auto":
+        return device == "cpu" and native_bfloat16()
+    return prefill_dtype == "bfloat16"
 
 
 class DenseLinear:
@@ -28,7 +52,7 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight  # [out, in]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prefill_rows: int = 0) -> torch.Tensor:
         return F.linear(x, self.weight)
 
 
@@ -63,7 +87,7 @@ class Int8Linear:
             return cpu_kernels.unpack_int8(self._packed, self.out_features)
         return self._qweight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prefill_rows: int = 0) -> torch.Tensor:
         if self._lib is not None:
             y = cpu_kernels.int8_linear(self._lib, x.float(), self._packed, self._packed_scale,
                                         self.out_features)
@@ -73,26 +97,39 @@ class Int8Linear:
 
 
 class GGUFLinear:
-    """The file's own blocks, multiplied by gguf_kernels (dequantized in registers)."""
+    """The file's own blocks, multiplied by gguf_kernels (dequantized in registers); with
+    `prefill_bf16`, a bfloat16 copy for a step's prompt rows (see the module docstring)."""
 
-    __slots__ = ("weight", "out_dtype", "_lib")
+    __slots__ = ("weight", "out_dtype", "_lib", "_bf16")
 
-    def __init__(self, weight: GGUFWeight, out_dtype: torch.dtype, lib):
+    def __init__(self, weight: GGUFWeight, out_dtype: torch.dtype, lib, prefill_bf16: bool = False):
         self.weight, self.out_dtype, self._lib = weight, out_dtype, lib
+        self._bf16 = (gguf_kernels.dequantize(lib, weight).to(torch.bfloat16).contiguous()
+                      if prefill_bf16 else None)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = gguf_kernels.linear(self._lib, x.float(), self.weight)
+    def __call__(self, x: torch.Tensor, prefill_rows: int = 0) -> torch.Tensor:
+        """x: [T, in]; its first `prefill_rows` rows are prompt tokens, the rest decodes."""
+        x = x.float()
+        if self._bf16 is None or prefill_rows < PREFILL_MIN_ROWS:
+            y = gguf_kernels.linear(self._lib, x, self.weight)
+        elif prefill_rows == x.shape[0]:
+            y = F.linear(x.to(torch.bfloat16), self._bf16).float()
+        else:
+            y = torch.empty((x.shape[0], self.weight.shape[0]), dtype=torch.float32)
+            y[:prefill_rows] = F.linear(x[:prefill_rows].to(torch.bfloat16), self._bf16)
+            y[prefill_rows:] = gguf_kernels.linear(self._lib, x[prefill_rows:], self.weight)
         return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
 
 
 def make_linear(weight: torch.Tensor | GGUFWeight, *, quantization: str, dtype: torch.dtype,
-                device: str, kernels: bool = True):
+                device: str, kernels: bool = True, prefill_bf16: bool = False):
     """weight: float [out, in], or a GGUF file's blocks (quantization "auto").
-    kernels=False: torch ops only (the eager switch, for debugging and comparison)."""
+    kernels=False: torch ops only (the eager switch, for debugging and comparison).
+    prefill_bf16: GGUF linears keep a bfloat16 copy for prompt rows (`prefill_in_bfloat16`)."""
     if isinstance(weight, GGUFWeight):
         lib = gguf_kernels.load() if kernels and device == "cpu" and quantization == "auto" else None
         if lib is not None:
-            return GGUFLinear(weight, dtype, lib)
+            return GGUFLinear(weight, dtype, lib, prefill_bf16)
         # torch: the file's numbers, dequantized once
         return DenseLinear(weight.dequantize().to(device=device, dtype=dtype).contiguous())
     if quantization == "auto":  # float weights: int8 where the AVX2 kernel runs, else dense

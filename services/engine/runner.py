@@ -21,7 +21,7 @@ from services.engine.attention import KVCache, build_metadata
 from services.engine.interface import Batch, RunnerOutput, SeqChunk
 from services.engine.loader import ModelLoadError, load_weights
 from services.engine.model import LlamaModel
-from services.engine.quant import QUANTIZATIONS
+from services.engine.quant import QUANTIZATIONS, prefill_in_bfloat16
 from services.engine.sampler import Sampler
 from tokenserve.runtime.logging import get_logger
 
@@ -46,6 +46,9 @@ class ModelRunner:
     kv_cache_dtype: what K/V are stored as (default: float16 when quantized, else dtype);
     float16 halves the cache's memory and the bytes decode attention reads, at ~1e-3 relative
     rounding of K/V.
+    prefill_dtype: "auto" (bfloat16 for prompt rows where the CPU multiplies it natively),
+    "bfloat16" or "float32"; only GGUF blocks served by their kernels (quantization "auto") keep
+    a bfloat16 copy for prompt rows (see quant.py).
     kernels=False turns off the AVX2 C kernels (fused norm, int8 matmul): torch ops only.
     num_threads: torch intra-op threads (default: the CPUs this process may use).
     seed: seeds the generator of unseeded sampling requests (tests).
@@ -56,7 +59,8 @@ class ModelRunner:
                  block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: int | None = None, max_num_seqs: int = 64,
                  progress: Callable[[int, int], None] | None = None,
-                 num_threads: int | None = None, seed: int | None = None, kernels: bool = True):
+                 num_threads: int | None = None, seed: int | None = None, kernels: bool = True,
+                 prefill_dtype: str = "auto"):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         # the fast modes store K/V in float16 (half the memory and decode reads); exact: dtype
@@ -67,6 +71,7 @@ class ModelRunner:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        prefill_bf16 = quantization == "auto" and prefill_in_bfloat16(prefill_dtype, device)
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         t0 = time.perf_counter()
@@ -75,7 +80,8 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 self.model = LlamaModel(loaded, dtype=DTYPES[dtype], quantization=quantization,
-                                        device=device, fused_kernels=kernels)
+                                        device=device, fused_kernels=kernels,
+                                        prefill_bf16=prefill_bf16)
         except ValueError as e:  # e.g. an unsupported rope scaling
             raise ModelLoadError(model_path, str(e)) from e
         del loaded
@@ -98,7 +104,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, kernels=kernels)
         self.load_seconds = time.perf_counter() - t0
         log.info("runner_ready", model=self.model_name, dtype=dtype, quantization=quantization,
-                 kv_cache_dtype=kv_cache_dtype,
+                 kv_cache_dtype=kv_cache_dtype, prefill_bfloat16=prefill_bf16,
                  num_blocks=self.num_blocks, block_size=block_size, max_context=self.max_context,
                  kv_cache_mib=round(self.num_blocks * per_block / 2**20, 1),
                  load_seconds=round(self.load_seconds, 2), threads=torch.get_num_threads())

@@ -10,7 +10,8 @@ import torch
 from services.engine import gguf_kernels
 from services.engine.gguf_kernels import FORMATS, ISAS, GGUFWeight
 from services.engine.loader import load_weights
-from services.engine.quant import DenseLinear, GGUFLinear
+from services.engine.quant import (PREFILL_MIN_ROWS, DenseLinear, GGUFLinear, native_bfloat16,
+                                     prefill_in_bfloat16)
 from services.engine.runner import ModelRunner
 from tests.integration.engine_model import oracle
 from tests.unit.engine import tiny_models as tm
@@ -114,3 +115,27 @@ def test_float_weights_fall_back_to_int8(tmp_path):
     r = ModelRunner(path, num_blocks=16, num_threads=1, quantization="auto")
     assert not isinstance(r.model.layers[0].qkv, GGUFLinear)
     assert np.isfinite(oracle.runner_last_logits(r, [1, 2, 3]).numpy()).all()
+
+
+def test_prompt_rows_use_the_bfloat16_copy_and_decode_rows_the_blocks():
+    lib = gguf_kernels.load()
+    if lib is None:
+        pytest.skip("no block kernel on this CPU (the torch path has no prefill copy)")
+    w = blocks("Q4_1", 64, 96)
+    fast, plain = GGUFLinear(w, torch.float32, lib, prefill_bf16=True), GGUFLinear(w, torch.float32, lib)
+    x = torch.randn(PREFILL_MIN_ROWS + 5, 96, generator=torch.Generator().manual_seed(2))
+    p = PREFILL_MIN_ROWS
+    bf16 = torch.nn.functional.linear(x[:p].to(torch.bfloat16), w.dequantize().to(torch.bfloat16)).float()
+    y = fast(x, p)
+    assert torch.equal(y[:p], bf16)  # prompt rows: the file's numbers rounded to bfloat16
+    assert torch.equal(y[p:], plain(x[p:]))  # decode rows: exactly what the blocks give
+    assert torch.equal(fast(x, p - 1), plain(x))  # too few prompt rows: all on the blocks
+    assert not torch.equal(y[:p], plain(x)[:p])  # the copy is really used
+
+
+def test_prefill_dtype_follows_the_cpu_unless_chosen():
+    assert prefill_in_bfloat16("bfloat16", "cpu") and not prefill_in_bfloat16("float32", "cpu")
+    assert prefill_in_bfloat16("auto", "cpu") == native_bfloat16()
+    assert not prefill_in_bfloat16("auto", "cuda")
+    with pytest.raises(ValueError, match="prefill_dtype"):
+        prefill_in_bfloat16("float16", "cpu")

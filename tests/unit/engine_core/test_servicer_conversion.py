@@ -53,7 +53,12 @@ def test_flags_build_a_validated_config(tmp_path):
 def test_the_default_is_the_fast_mode_and_exact_is_float32(tmp_path):
     c = parse_args(["--model-path", str(tmp_path)])
     assert c.quantization == "auto" and c.kv_cache_dtype is None  # the runner picks float16 KV
+    assert c.prefill_dtype == "auto"  # bfloat16 prompt rows where the CPU has it natively
     e = parse_args(["--model-path", str(tmp_path), "--exact"])
     assert (e.quantization, e.dtype, e.kv_cache_dtype) == ("none", "float32", "float32")
     with pytest.raises(SystemExit):  # --exact cannot be combined with a lossy setting
         parse_args(["--model-path", str(tmp_path), "--exact", "--kv-cache-dtype", "float16"])
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", str(tmp_path), "--exact", "--prefill-dtype", "bfloat16"])
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", str(tmp_path), "--prefill-dtype", "float16"])
