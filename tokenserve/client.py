@@ -29,6 +29,7 @@ from tokenserve.client_errors import (AuthenticationError, DeadlineExceededError
                                       UnavailableError, error_from_rpc)
 from tokenserve.common.v1 import common_pb2
 from tokenserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tokenserve.sampling import FIELDS as _SAMPLING
 
 __all__ = ["Client", "AsyncClient", "Chunk", "Usage", "ModelInfo", "RetryPolicy",
            "TokenserveError", "AuthenticationError", "PermissionDeniedError",
@@ -39,9 +40,9 @@ DEFAULT_MAX_TOKENS = 128
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 # Where Client() finds its gateway and key when none is passed.
 GATEWAY_ENV, API_KEY_ENV = "TOKENSERVE_GATEWAY", "TOKENSERVE_API_KEY"
-_SAMPLING = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty",
-             "presence_penalty", "frequency_penalty")
-_TOP_LEVEL = ("temperature", "top_p", "top_k", "seed")
+# The sampling controls GenerateRequest and ChatRequest also carry as top-level fields.
+_TOP_LEVEL = tuple(f for f in _SAMPLING
+                   if f in gateway_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
 _OPTIONS = ("stop", "request_id", "app", "logprobs", "top_logprobs", "speculation")
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
            common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_ERROR: "error"}

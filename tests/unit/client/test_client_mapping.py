@@ -89,3 +89,11 @@ def test_last_chunk_carries_finish_reason_and_usage():
         usage=common_pb2.Usage(prompt_tokens=4, completion_tokens=2), model_version="v1"))
     assert last.finish_reason == "stop" and last.usage == sdk.Usage(4, 2, 0)
     assert sdk._collect([mid, last]) == ("ab", sdk.Usage(4, 2, 0))
+
+
+def test_sampling_options_are_the_shared_field_list():
+    from tokenserve.sampling import FIELDS
+    assert sdk._SAMPLING == FIELDS
+    assert set(sdk._TOP_LEVEL) == {"temperature", "top_p", "top_k", "seed"}
+    req = sdk._chat_request([("user", "hi")], "", 1, {name: 1 for name in FIELDS})
+    assert req.temperature == 1 and req.sampling.repetition_penalty == 1
