@@ -93,12 +93,12 @@ def quota_store(config: GatewayConfig, source: ConfigSource) -> QuotaStore:
                            live_gateways=lambda: len(source.snapshot.gateways))
 
 
-def build(config: GatewayConfig,
-          source: ConfigSource) -> tuple[GrpcServer, SpoolSender, HttpFront | None]:
+def build(config: GatewayConfig, source: ConfigSource,
+          router: Router) -> tuple[GrpcServer, SpoolSender, HttpFront | None]:
     """The gRPC server, its usage sender and the HTTP front (None when off), wired to `source`
-    (a started ConfigWatcher, or any holder of a snapshot) and one pipeline. Start the sender
-    and the HTTP front once the loop runs; stopping the server stops the HTTP front first,
-    then flushes the sender."""
+    (a started ConfigWatcher, or any holder of a snapshot), `router` and one pipeline. Start
+    the sender and the HTTP front once the loop runs; stopping the server stops the HTTP front
+    first, then flushes the sender."""
     spool = UsageSpool(config.spool_path, config.spool_durability)
     metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
     meter_channel, tokenizer_channel = aio_channel(config.meter), aio_channel(config.tokenizer)
@@ -110,9 +110,9 @@ def build(config: GatewayConfig,
                                             metrics.USAGE_EVENTS_SPOOLED.dec(n)))
     channels = Channels()
     quotas = quota_store(config, source)
-    pipeline = Pipeline(source, Router(config.engines, config.default_model),
-                        TokenizerClient(tokenizer_channel), EngineClient(channels), quotas,
-                        spool, sender, max_engine_attempts=config.max_engine_attempts)
+    pipeline = Pipeline(source, router, TokenizerClient(tokenizer_channel),
+                        EngineClient(channels), quotas, spool, sender,
+                        max_engine_attempts=config.max_engine_attempts)
 
     async def close_all():
         await sender.stop()
@@ -148,7 +148,11 @@ async def serve(config: GatewayConfig):
     watcher = ConfigWatcher(list(config.etcd_endpoints), snapshot_path=Path(config.snapshot_path),
                             service="gateway")
     await watcher.start()
-    server, sender, http = build(config, watcher)
+    router = Router(config.engines, config.default_model)
+    # At start (the first snapshot holds the engines registered so far), then on every change.
+    router.log_context_mismatches(watcher.snapshot)
+    watcher.on_change(router.log_context_mismatches)
+    server, sender, http = build(config, watcher, router)
     if http is not None:
         await http.start()  # listening before health says SERVING
     port = await server.start()
