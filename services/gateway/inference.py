@@ -30,6 +30,7 @@ from services.gateway.downstream import (EngineChunk, EngineClient, EngineRefuse
                                          FinishReason, TokenizerClient, TokenLogprob)
 from services.gateway.quota_store import QuotaStore
 from services.gateway.routing import Router
+from services.gateway.tokenizers import Tokenizers
 from services.gateway.validation import InferenceRequest, check_context
 from tokenserve.runtime.errors import (DeadlineExceeded, ResourceExhausted, ServiceError,
                                        Unavailable)
@@ -106,7 +107,8 @@ class _Progress:
 
 
 class Pipeline:
-    def __init__(self, config: ConfigSource, router: Router, tokenizer: TokenizerClient,
+    def __init__(self, config: ConfigSource, router: Router,
+                 tokenizer: TokenizerClient | Tokenizers,
                  engines: EngineClient, quotas: QuotaStore, spool: UsageSpool,
                  sender: SpoolSender | None, *, max_engine_attempts: int = 3):
         self._config = config

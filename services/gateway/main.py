@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import structlog
 
 from controlplane.registry import register_with_retry
 from controlplane.schema import GatewayRegistration
+from controlplane.snapshot import ConfigSnapshot
 from controlplane.watcher import ConfigWatcher
 from services.gateway import metrics
-from services.gateway.config import GatewayConfig, StaticEngine
+from services.gateway.config import TOKENIZE_MODES, GatewayConfig, StaticEngine
 from services.gateway.downstream import Channels, EngineClient, MeterClient, TokenizerClient
 from services.gateway.http import HttpFront
 from services.gateway.inference import ConfigSource, Pipeline
@@ -22,6 +25,7 @@ from services.gateway.quota_store import (MemoryQuotaStore, NoQuotaStore, QuotaS
                                           RedisQuotaStore)
 from services.gateway.routing import Router
 from services.gateway.servicer import InferenceServicer
+from services.gateway.tokenizers import Tokenizers
 
 from tokenserve.gateway.v1 import gateway_pb2_grpc
 from tokenserve.runtime.channels import aio_channel
@@ -46,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--etcd-endpoints", default="127.0.0.1:2379",
                    help="comma-separated host:port list")
     p.add_argument("--tokenizer", default="127.0.0.1:50052")
+    p.add_argument("--tokenize", choices=TOKENIZE_MODES, default="auto",
+                   help="prompt ids: auto (default) encodes in this process where the model's"
+                        " artifact is readable here, else through the tokenizer service; remote:"
+                        " always the tokenizer service")
     p.add_argument("--meter", default="127.0.0.1:50054")
     p.add_argument("--engine", action="append", default=[], metavar="MODEL=VERSION=HOST:PORT",
                    help="an engine to route to without an etcd registration (repeatable)")
@@ -72,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             host=a.host, port=a.port, metrics_port=a.metrics_port,
             http_port=None if a.http_port < 0 else a.http_port,
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
-            tokenizer=a.tokenizer, meter=a.meter,
+            tokenizer=a.tokenizer, tokenize=a.tokenize, meter=a.meter,
             engines=tuple(StaticEngine.parse(e) for e in a.engine),
             snapshot_path=a.snapshot, spool_path=a.spool,
             spool_durability=a.spool_durability, default_model=a.default_model,
@@ -93,12 +101,14 @@ def quota_store(config: GatewayConfig, source: ConfigSource) -> QuotaStore:
                            live_gateways=lambda: len(source.snapshot.gateways))
 
 
-def build(config: GatewayConfig, source: ConfigSource,
-          router: Router) -> tuple[GrpcServer, SpoolSender, HttpFront | None]:
+def build(config: GatewayConfig, source: ConfigSource, router: Router, *,
+          watch: Callable[[Callable[[ConfigSnapshot], None]], object] | None = None,
+          ) -> tuple[GrpcServer, SpoolSender, HttpFront | None]:
     """The gRPC server, its usage sender and the HTTP front (None when off), wired to `source`
-    (a started ConfigWatcher, or any holder of a snapshot), `router` and one pipeline. Start
-    the sender and the HTTP front once the loop runs; stopping the server stops the HTTP front
-    first, then flushes the sender."""
+    (a started ConfigWatcher, or any holder of a snapshot), `router` and one pipeline. `watch`
+    subscribes a callback to config changes (ConfigWatcher.on_change). Start the sender and
+    the HTTP front once the loop runs; stopping the server stops the HTTP front first, then
+    flushes the sender."""
     spool = UsageSpool(config.spool_path, config.spool_durability)
     metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
     meter_channel, tokenizer_channel = aio_channel(config.meter), aio_channel(config.tokenizer)
@@ -110,7 +120,14 @@ def build(config: GatewayConfig, source: ConfigSource,
                                             metrics.USAGE_EVENTS_SPOOLED.dec(n)))
     channels = Channels()
     quotas = quota_store(config, source)
-    pipeline = Pipeline(source, router, TokenizerClient(tokenizer_channel),
+    # Tokenizer loads and long prompts run here, off the event loop.
+    tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+    tokenizers = Tokenizers(TokenizerClient(tokenizer_channel), tokenize_pool,
+                            local=config.tokenize == "auto")
+    tokenizers.apply(source.snapshot)
+    if watch is not None:
+        watch(tokenizers.apply)
+    pipeline = Pipeline(source, router, tokenizers,
                         EngineClient(channels), quotas, spool, sender,
                         max_engine_attempts=config.max_engine_attempts)
 
@@ -121,6 +138,7 @@ def build(config: GatewayConfig, source: ConfigSource,
         await channels.close()
         await meter_channel.close()
         await tokenizer_channel.close()
+        tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port)
     http = None
@@ -152,7 +170,7 @@ async def serve(config: GatewayConfig):
     # At start (the first snapshot holds the engines registered so far), then on every change.
     router.log_context_mismatches(watcher.snapshot)
     watcher.on_change(router.log_context_mismatches)
-    server, sender, http = build(config, watcher, router)
+    server, sender, http = build(config, watcher, router, watch=watcher.on_change)
     if http is not None:
         await http.start()  # listening before health says SERVING
     port = await server.start()
