@@ -11,7 +11,7 @@ from services.meter import migrations
 from services.meter.store import Ledger
 from services.meter.usage import UsageQuery
 from tests.unit.meter.conftest import event
-from tokenserve.usage import FIELDS, Source
+from tokenserve.usage import FIELDS, Source, to_row
 
 
 def raw(location: str):
@@ -76,3 +76,45 @@ def test_a_ledger_from_a_newer_meter_is_refused(ledger_location):
     conn.close()
     with pytest.raises(migrations.SchemaTooNew, match="newer than this meter knows"):
         Ledger.open(ledger_location)
+
+
+def test_the_rollup_is_backfilled_from_a_ledger_of_the_previous_schema(ledger_location):
+    from services.meter.usage import GroupBy
+    from tests.unit.meter.test_rollup import T0, H, same
+
+    conn, p = raw(ledger_location)
+    conn.execute(migrations.VERSION_TABLE)
+    for number in (1, 2):  # what the meter before the rollup created
+        for stmt in migrations.MIGRATIONS[number - 1]:
+            conn.execute(stmt)
+        conn.execute(f"INSERT INTO schema_version (version, applied_at) VALUES ({p}, {p})",
+                     (number, 0.0))
+    old = [event("g1", request_id="a", finished_at=T0 + 10),
+           event("g2", request_id="b", finished_at=T0 + 20, energy_joules=0.5),
+           event("g3", request_id="b", finished_at=T0 + 30),  # a reused id, one key
+           event("e1", request_id="a", source=Source.ENGINE, model_version="v1",
+                 finished_at=T0 + 11, finish_reason="error"),
+           event("e2", request_id="a", source=Source.ENGINE, model_version="v2",
+                 finished_at=T0 + 12),  # a retry on another version: split
+           event("g4", request_id="c", finished_at=T0 + H + 5, energy_estimated=True)]
+    conn.cursor().executemany(f"INSERT INTO usage_events ({', '.join(FIELDS)}) VALUES"
+                     f" ({', '.join(p for _ in FIELDS)})", [to_row(e) for e in old])
+    led = Ledger.open(ledger_location)
+    assert versions(conn) == list(range(1, migrations.LATEST + 1))
+    (total,) = same(led, UsageQuery())
+    assert (total.requests, total.prompt_tokens, total.energy_joules,
+            total.energy_estimated) == (3, 40, 0.5, True)
+    rows = same(led, UsageQuery(source=Source.ENGINE, group_by=(GroupBy.VERSION,)))
+    assert [(r.keys, r.requests) for r in rows] == [(("v1",), 1), (("v2",), 1)]
+    (engine,) = same(led, UsageQuery(source=Source.ENGINE))
+    assert engine.requests == 1
+    # Records after the upgrade join the backfilled ones: b moves to a second hour (split),
+    # c gets the engine's record (another source).
+    led.record([event("g5", request_id="b", finished_at=T0 + H + 50),
+                event("e3", request_id="c", source=Source.ENGINE, finished_at=T0 + H + 6)])
+    rows = same(led, UsageQuery(group_by=(GroupBy.TIME,)))
+    assert [(r.keys, r.requests) for r in rows] == [((str(T0),), 2), ((str(T0 + H),), 2)]
+    (total,) = same(led, UsageQuery())
+    assert total.requests == 3
+    led.close()
+    conn.close()
