@@ -22,6 +22,9 @@ class MeterConfig:
     # With etcd, events of a tenant that is not configured are refused; without, not checked.
     etcd_endpoints: tuple[str, ...] = ()
     config_snapshot: Path | None = None
+    # The meter's own reconcile (drift.py): every interval (0: never) over the last window.
+    reconcile_interval_seconds: float = 60.0
+    reconcile_window_seconds: float = 3600.0
     log_level: str = "info"
 
     def __post_init__(self):
@@ -30,6 +33,9 @@ class MeterConfig:
             raise ValueError("db must be a SQLite path or a postgresql:// URL")
         if not self.max_age_seconds > 0 or not self.max_ahead_seconds >= 0:
             raise ValueError("max_age_seconds must be > 0 and max_ahead_seconds >= 0")
+        if not self.reconcile_interval_seconds >= 0 or not self.reconcile_window_seconds > 0:
+            raise ValueError("reconcile_interval_seconds must be >= 0 (0: off) and"
+                             " reconcile_window_seconds > 0")
 
     @property
     def postgres(self) -> bool:

@@ -1,5 +1,5 @@
 """`python -m services.meter --port 50054 --metrics-port 9104 --db var/meter.db
-[--etcd-endpoints 127.0.0.1:2379]`"""
+[--etcd-endpoints 127.0.0.1:2379] [--reconcile-interval-seconds 60]`"""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from services.meter.config import MeterConfig
+from services.meter.drift import PeriodicReconcile
 from services.meter.migrations import SchemaTooNew
 from services.meter.servicer import MeterServicer
 from services.meter.store import Ledger
@@ -33,6 +34,13 @@ def parse_args(argv: list[str] | None = None) -> MeterConfig:
                    help="host:port[,...]; events of tenants not configured there are refused")
     p.add_argument("--config-snapshot", type=Path, default=None,
                    help="last known good etcd config (used when etcd is down at start)")
+    p.add_argument("--reconcile-interval-seconds", type=float,
+                   default=MeterConfig.reconcile_interval_seconds,
+                   help="reconcile gateway and engine records this often, publishing the"
+                        " drift gauge (default 60; 0: only when asked)")
+    p.add_argument("--reconcile-window-seconds", type=float,
+                   default=MeterConfig.reconcile_window_seconds,
+                   help="how far back the periodic reconcile looks (default 3600)")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
     try:
@@ -40,7 +48,9 @@ def parse_args(argv: list[str] | None = None) -> MeterConfig:
             host=a.host, port=a.port, metrics_port=a.metrics_port, db=a.db,
             max_age_seconds=a.max_age_seconds, max_ahead_seconds=a.max_ahead_seconds,
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
-            config_snapshot=a.config_snapshot, log_level=a.log_level)
+            config_snapshot=a.config_snapshot,
+            reconcile_interval_seconds=a.reconcile_interval_seconds,
+            reconcile_window_seconds=a.reconcile_window_seconds, log_level=a.log_level)
     except ValueError as e:
         p.error(str(e))
 
@@ -66,6 +76,11 @@ async def serve(config: MeterConfig) -> int:
                         max_ahead_seconds=config.max_ahead_seconds,
                         **({"known_tenants": known_tenants} if known_tenants else {}))
     servicer = MeterServicer(ledger, rules)
+    if config.reconcile_interval_seconds > 0:
+        periodic = PeriodicReconcile(config.db, interval=config.reconcile_interval_seconds,
+                                     window=config.reconcile_window_seconds)
+        periodic.start()
+        on_stop.insert(0, periodic.close)
     server = GrpcServer(
         "meter",
         [Registration(SERVICE_NAME, meter_pb2_grpc.add_MeterServiceServicer_to_server, servicer)],
@@ -73,7 +88,8 @@ async def serve(config: MeterConfig) -> int:
         on_stop=[servicer.close, *on_stop])
     log.info("ledger_open", backend="postgresql" if config.postgres else "sqlite",
              journal_mode=ledger.journal_mode(), schema_version=ledger.schema_version,
-             tenant_check=known_tenants is not None)
+             tenant_check=known_tenants is not None,
+             reconcile_interval_seconds=config.reconcile_interval_seconds)
     await server.run()
     return 0
 

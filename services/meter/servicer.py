@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
+from services.meter import drift
 from services.meter.export import cloudevents_chunks, csv_chunks
 from services.meter.reconcile import reconcile
 from services.meter.store import Ledger
@@ -20,10 +22,6 @@ EVENTS_RECORDED = Counter("tokenserve_meter_events_recorded_total",
 EVENTS_DUPLICATE = Counter("tokenserve_meter_duplicate_events_total",
                            "Usage events received again (same event_id) and not counted",
                            ["source"])
-DRIFT = Gauge("tokenserve_meter_reconcile_drift_records",
-              "Disagreements the last Reconcile found, by kind (missing_engine,"
-              " missing_gateway, mismatch)", ["kind"])
-DRIFT_KINDS = ("missing_engine", "missing_gateway", "mismatch")
 
 _GROUPS = {
     meter_pb2.GROUP_BY_TENANT: GroupBy.TENANT, meter_pb2.GROUP_BY_APP: GroupBy.APP,
@@ -108,9 +106,7 @@ class MeterServicer(meter_pb2_grpc.MeterServiceServicer):
         q = UsageQuery(start=_bound(request.start), end=_bound(request.end))
         records = await self._run(self._ledger.requests_finished_in, q)
         result = reconcile(records)
-        drift = result.drift()
-        for kind in DRIFT_KINDS:
-            DRIFT.labels(kind).set(drift.get(kind, 0))
+        drift.publish(result, time.time())
         return meter_pb2.ReconcileResponse(matched=result.matched, mismatches=[
             meter_pb2.Mismatch(request_id=m.request_id, kind=m.kind, field=m.field,
                                gateway_value=m.gateway_value, engine_value=m.engine_value)
