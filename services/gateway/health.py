@@ -65,9 +65,12 @@ class Ejected:
 
 class ReplicaHealth:
     def __init__(self, policy: EjectionPolicy = EjectionPolicy(),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 on_eject: Callable[[str, str], None] | None = None):
+        """`on_eject(endpoint, reason)`: called on each ejection (the prober's wake-up)."""
         self.policy = policy
         self._clock = clock
+        self._on_eject = on_eject
         # Only replicas with something to remember (a failure, an ejection) have an entry.
         self._replicas: dict[str, _Replica] = {}
 
@@ -100,16 +103,19 @@ class ReplicaHealth:
             tripped = r.deadlines >= self.policy.deadlines
         tripped = tripped or r.ejections > 0  # on probation
         if tripped:
-            self._eject(r, f"{r.failures if kind is Failure.UNAVAILABLE else r.deadlines}"
-                           f" {kind.value} calls in a row")
+            count = r.failures if kind is Failure.UNAVAILABLE else r.deadlines
+            self._eject(endpoint, r, f"{count} {kind.value} call{'s' * (count > 1)} in a row"
+                                     + (" on probation" if r.ejections else ""))
         return tripped
 
-    def _eject(self, r: _Replica, reason: str) -> None:
+    def _eject(self, endpoint: str, r: _Replica, reason: str) -> None:
         r.ejections += 1
         r.failures = r.deadlines = 0
         r.out_until = self._clock() + self.policy.backoff(r.ejections)
         r.probing = False
         r.reason = reason
+        if self._on_eject is not None:
+            self._on_eject(endpoint, reason)
 
     # -- what the prober asks and reports ---------------------------------------------------
     def due_probes(self) -> list[str]:
@@ -134,4 +140,4 @@ class ReplicaHealth:
         if serving:
             r.out_until, r.probing, r.reason = None, False, ""
         else:
-            self._eject(r, "health check: not serving")
+            self._eject(endpoint, r, "health check: not serving")
