@@ -90,6 +90,8 @@ class CanaryGuardian:
         if reason is None:
             return
         self._busy_until[model] = now + self._retry_after
+        # Whatever comes next (the same guard written again, say) is judged afresh.
+        del self._seen[model]
         task = asyncio.get_running_loop().create_task(self._roll_back(model, guard, reason))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

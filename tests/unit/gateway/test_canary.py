@@ -78,6 +78,15 @@ async def test_the_guardian_rolls_back_once_per_breach_judging_only_since_the_gu
     await asyncio.sleep(0)
     assert [(m, v) for m, v, _ in calls] == [(MODEL, "v2")]
     assert "error rate 0.50 > 0.1" in calls[0][2]
+    # The same guard written again before this gateway saw the rollback: judged afresh.
+    clock.advance(2.0)
+    guardian.observe(snap, MODEL)
+    clock.advance(1.0)
+    for _ in range(10):
+        stats.record(MODEL, "v2", ok=True, ttft_s=0.1)
+    guardian.observe(snap, MODEL)
+    await asyncio.sleep(0)
+    assert len(calls) == 1
     # Rolled back: the route has no guard any more, nothing to do.
     guardian.observe(build(routes=[Route(MODEL, {"v1": 100, "v2": 0})]), MODEL)
     await guardian.close()
