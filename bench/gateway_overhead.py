@@ -4,8 +4,9 @@ on Redis, in the same run; plus the admission module's decisions per second.
     python bench/gateway_overhead.py [--rounds 30] [--concurrent-rounds 3]
 
 The suite is `tokenserve up`'s default configuration (controlplane.launcher.Suite on free
-ports) plus two more gateways on the same etcd, tokenizer, engine and meter: one with
-`--quota-store off` and one with `--quota-store redis://...` (a real redis-server). The
+ports) plus three more gateways on the same etcd, tokenizer, engine and meter: one with
+`--quota-store off`, one with `--quota-store redis://...` (a real redis-server) and one with
+`--tokenize remote` (prompt ids from the tokenizer service instead of in-process). The
 tenant is on the premium tier. Every path gets the same prompt; the direct path sends the
 engine the token ids the tokenizer gave for it (the gateway's own tokenizer call is part of
 what it adds).
@@ -51,7 +52,7 @@ from tokenserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 RESULTS = ROOT / "bench" / "results"
 PROMPT = "Write one short sentence about the sea and the wind over it."
-PATHS = ("direct", "gateway_off", "gateway_memory", "gateway_redis")
+PATHS = ("direct", "gateway_off", "gateway_memory", "gateway_redis", "gateway_memory_remote_tok")
 
 
 def pct(xs, q):
@@ -161,13 +162,14 @@ async def concurrent(paths: Paths, rounds: int, streams: int = 64, max_tokens: i
             "added_p99_s": {p: m99[p] - m99["direct"] for p in PATHS if p != "direct"}}
 
 
-def start_gateway(suite: Suite, data: Path, name: str, quota_store: str) -> tuple[str, subprocess.Popen]:
+def start_gateway(suite: Suite, data: Path, name: str, quota_store: str,
+                  *extra: str) -> tuple[str, subprocess.Popen]:
     port = free_port()
     cmd = [sys.executable, "-m", "services.gateway", "--port", str(port), "--metrics-port", "-1", "--http-port", "-1",
            "--etcd-endpoints", suite.etcd_endpoint, "--tokenizer", suite.address("tokenizer"),
            "--meter", suite.address("meter"), "--snapshot", str(data / f"{name}.json"),
            "--spool", str(data / f"{name}.db"), "--quota-store", quota_store,
-           "--gateway-id", name]
+           "--gateway-id", name, *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=(data / f"{name}.log").open("wb"),
                             stderr=subprocess.STDOUT)
     return f"127.0.0.1:{port}", proc
@@ -201,8 +203,9 @@ async def premium_key(suite: Suite) -> str:
 async def measure(suite: Suite, data: Path, redis_url: str, args) -> dict:
     key = await premium_key(suite)
     gateways, procs = {"gateway_memory": suite.address("gateway")}, []
-    for name, store in (("gateway_off", "off"), ("gateway_redis", redis_url)):
-        target, proc = start_gateway(suite, data, name, store)
+    for name, store, *extra in (("gateway_off", "off"), ("gateway_redis", redis_url),
+                                ("gateway_memory_remote_tok", "memory", "--tokenize", "remote")):
+        target, proc = start_gateway(suite, data, name, store, *extra)
         gateways[name] = target
         procs.append(proc)
     try:
@@ -242,10 +245,11 @@ def plot(result: dict, path: Path) -> None:
               ("added p50 per request, 64 streams (ms)", result["concurrent_64"]["added_p50_s"])]
     for ax, (title, values) in zip(axes, panels):
         ax.bar([g.replace("gateway_", "") for g in gws], [values[g] * 1000 for g in gws],
-               color=["#999", "#4a7", "#47a"])
+               color=["#999", "#4a7", "#47a", "#a74"])
         ax.set_title(title, fontsize=10)
         ax.axhline(0, color="black", linewidth=0.5)
-    fig.suptitle("tokenserve gateway overhead over calling the engine directly (admission off / memory / Redis)")
+    fig.suptitle("tokenserve gateway overhead over calling the engine directly (admission off /"
+                 " memory / Redis / memory with the tokenizer service's round trip)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -6,6 +6,8 @@
         for chunk in client.chat([{"role": "user", "content": "Hi!"}], max_tokens=32):
             print(chunk.text, end="", flush=True)
         text, usage = client.generate_text("Once upon a time", max_tokens=16, temperature=0.7)
+        for row in client.get_usage(group_by=["model", "app"]):   # what this key's tenant used
+            print(row.keys, row.requests, row.total_tokens, row.tokens_per_joule)
 
 `AsyncClient` has the same methods as coroutines / async iterators. Every failure raises a
 `TokenserveError` subclass carrying the gRPC status code, the server's message and, for
@@ -29,8 +31,11 @@ from tokenserve.client_errors import (AuthenticationError, DeadlineExceededError
                                       UnavailableError, error_from_rpc)
 from tokenserve.common.v1 import common_pb2
 from tokenserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tokenserve.meter.v1 import meter_pb2
+from tokenserve.sampling import FIELDS as _SAMPLING
 
-__all__ = ["Client", "AsyncClient", "Chunk", "Usage", "ModelInfo", "RetryPolicy",
+__all__ = ["Client", "AsyncClient", "Chunk", "Usage", "ModelInfo", "UsageRow", "GROUP_BY",
+           "RetryPolicy",
            "TokenserveError", "AuthenticationError", "PermissionDeniedError",
            "InvalidRequestError", "NotFoundError", "RateLimitError", "UnavailableError",
            "DeadlineExceededError"]
@@ -39,12 +44,16 @@ DEFAULT_MAX_TOKENS = 128
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 # Where Client() finds its gateway and key when none is passed.
 GATEWAY_ENV, API_KEY_ENV = "TOKENSERVE_GATEWAY", "TOKENSERVE_API_KEY"
-_SAMPLING = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty",
-             "presence_penalty", "frequency_penalty")
-_TOP_LEVEL = ("temperature", "top_p", "top_k", "seed")
+# The sampling controls GenerateRequest and ChatRequest also carry as top-level fields.
+_TOP_LEVEL = tuple(f for f in _SAMPLING
+                   if f in gateway_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
 _OPTIONS = ("stop", "request_id", "app", "logprobs", "top_logprobs", "speculation")
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
            common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_ERROR: "error"}
+# get_usage's dimensions: "tenant", "app", "model", "version", "tier", "time" (the proto's
+# GroupBy values, named without their prefix).
+GROUP_BY: Mapping[str, int] = {name.removeprefix("GROUP_BY_").lower(): value
+                               for name, value in meter_pb2.GroupBy.items() if value}
 
 
 # -- results ------------------------------------------------------------------------------
@@ -75,6 +84,27 @@ class ModelInfo:
     # version -> traffic weight
     versions: Mapping[str, int]
     max_context: int
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """Billed usage of one group (or of everything, with no group_by), as the meter sums it."""
+
+    # The values of the group_by dimensions, in the order asked for (a time bucket is its
+    # start in Unix seconds, as a string).
+    keys: tuple[str, ...]
+    # Distinct requests.
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # prompt_tokens + completion_tokens.
+    total_tokens: int
+    energy_joules: float
+    # total_tokens / energy_joules; 0 when no energy was recorded.
+    tokens_per_joule: float
+    # Some of energy_joules is an estimate (a configured watts figure, not a counter).
+    energy_estimated: bool
 
 
 def _chunk(resp: gateway_pb2.GenerateResponse) -> Chunk:
@@ -140,6 +170,27 @@ def _count_request(prompt: str | None, messages: Iterable | None, model: str):
 def _models(resp: gateway_pb2.ListModelsResponse) -> list[ModelInfo]:
     return [ModelInfo(m.name, {v.version: v.weight for v in m.versions}, m.max_context)
             for m in resp.models]
+
+
+def _usage_request(group_by: Sequence[str], start: float, end: float, bucket_seconds: int,
+                   tenant_id: str) -> gateway_pb2.GetUsageRequest:
+    if isinstance(group_by, str):
+        group_by = (group_by,)
+    unknown = [g for g in group_by if g not in GROUP_BY]
+    if unknown:
+        raise ValueError(f"unknown group_by {', '.join(map(repr, unknown))}; allowed: "
+                         f"{', '.join(GROUP_BY)}")
+    return gateway_pb2.GetUsageRequest(tenant_id=tenant_id, start=start, end=end,
+                                       group_by=[GROUP_BY[g] for g in group_by],
+                                       bucket_seconds=bucket_seconds)
+
+
+def _usage_rows(resp: gateway_pb2.GetUsageResponse) -> list[UsageRow]:
+    return [UsageRow(keys=tuple(r.keys), requests=r.requests, prompt_tokens=r.prompt_tokens,
+                     completion_tokens=r.completion_tokens, cached_tokens=r.cached_tokens,
+                     total_tokens=r.total_tokens, energy_joules=r.energy_joules,
+                     tokens_per_joule=r.tokens_per_joule, energy_estimated=r.energy_estimated)
+            for r in resp.rows]
 
 
 def _collect(chunks: Sequence[Chunk]) -> tuple[str, Usage]:
@@ -251,6 +302,16 @@ class Client:
     def list_models(self) -> list[ModelInfo]:
         return _models(self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest()))
 
+    def get_usage(self, *, group_by: Sequence[str] = (), start: float = 0, end: float = 0,
+                  bucket_seconds: int = 0, tenant_id: str = "") -> list[UsageRow]:
+        """This key's tenant's billed usage of requests finished in [start, end) (Unix
+        seconds; 0: unbounded), one row per group of `group_by` (names from `GROUP_BY`, each
+        at most once; none: one total row, or no row when nothing was used), ordered by their
+        keys. `bucket_seconds`: the width of "time" buckets (0: the server's 3600).
+        `tenant_id`: empty or this key's own tenant (another one is PermissionDeniedError)."""
+        req = _usage_request(group_by, start, end, bucket_seconds, tenant_id)
+        return _usage_rows(self._unary(self._stub.GetUsage, req))
+
 
 class AsyncClient:
     """asyncio client with the same arguments and methods as `Client` (streams are async
@@ -331,3 +392,9 @@ class AsyncClient:
 
     async def list_models(self) -> list[ModelInfo]:
         return _models(await self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest()))
+
+    async def get_usage(self, *, group_by: Sequence[str] = (), start: float = 0,
+                        end: float = 0, bucket_seconds: int = 0,
+                        tenant_id: str = "") -> list[UsageRow]:
+        req = _usage_request(group_by, start, end, bucket_seconds, tenant_id)
+        return _usage_rows(await self._unary(self._stub.GetUsage, req))

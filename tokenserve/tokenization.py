@@ -22,7 +22,12 @@ from tokenserve.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
 from tokenserve.piece_encoding import PieceEncoder
 from tokenserve.runtime.errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["ChatTemplateError", "ModelTokenizer", "TokenizerLoadError", "load_model_tokenizer"]
+__all__ = ["ChatTemplateError", "ModelTokenizer", "TokenizerLoadError", "load_model_tokenizer",
+           "MAX_TEXT_BYTES"]
+
+# The largest text (or chat, every string together) one input may hold, in UTF-8 bytes: the
+# tokenizer service's default --max-text-bytes and the gateway's prompt limit.
+MAX_TEXT_BYTES = 1024 * 1024
 
 
 class TokenizerLoadError(FailedPrecondition):

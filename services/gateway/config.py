@@ -30,6 +30,9 @@ class StaticEngine:
         return cls(*parts)
 
 
+TOKENIZE_MODES = ("auto", "remote")
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     host: str = "127.0.0.1"
@@ -40,6 +43,10 @@ class GatewayConfig:
     http_port: int | None = 8080
     etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
     tokenizer: str = "127.0.0.1:50052"
+    # Prompt ids: "auto" encodes in this process where the model's artifact is readable here
+    # (services/gateway/tokenizers.py), else through the tokenizer service; "remote": always
+    # the tokenizer service.
+    tokenize: str = "auto"
     meter: str = "127.0.0.1:50054"
     engines: tuple[StaticEngine, ...] = ()
     # Last known good control-plane config (start from it when etcd is down).
@@ -79,6 +86,8 @@ class GatewayConfig:
             raise ValueError(f"http_port must be in 0..65535, got {self.http_port}")
         check_endpoint("--tokenizer", self.tokenizer)
         check_endpoint("--meter", self.meter)
+        if self.tokenize not in TOKENIZE_MODES:
+            raise ValueError(f"--tokenize must be one of {TOKENIZE_MODES}, got {self.tokenize!r}")
         for ep in self.etcd_endpoints:
             check_endpoint("--etcd-endpoints", ep)
         if self.request_timeout_seconds <= 0:

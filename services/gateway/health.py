@@ -65,14 +65,16 @@ class Ejected:
 
 class ReplicaHealth:
     def __init__(self, policy: EjectionPolicy = EjectionPolicy(),
-                 clock: Callable[[], float] = time.monotonic,
-                 on_eject: Callable[[str, str], None] | None = None):
-        """`on_eject(endpoint, reason)`: called on each ejection (the prober's wake-up)."""
+                 clock: Callable[[], float] = time.monotonic):
         self.policy = policy
         self._clock = clock
-        self._on_eject = on_eject
+        self._on_eject: Callable[[str, str], None] | None = None
         # Only replicas with something to remember (a failure, an ejection) have an entry.
         self._replicas: dict[str, _Replica] = {}
+
+    def subscribe(self, on_eject: Callable[[str, str], None]) -> None:
+        """`on_eject(endpoint, reason)` is called on each ejection (the prober's wake-up)."""
+        self._on_eject = on_eject
 
     # -- what the router asks ---------------------------------------------------------------
     def routable(self, endpoint: str) -> bool:

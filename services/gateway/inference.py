@@ -32,6 +32,7 @@ from services.gateway.downstream import (EngineChunk, EngineClient, EngineFailed
 from services.gateway.health import Failure
 from services.gateway.quota_store import QuotaStore
 from services.gateway.routing import Router, Target
+from services.gateway.tokenizers import Tokenizers
 from services.gateway.validation import InferenceRequest, check_context
 from services.gateway.version_stats import VersionStats, counts_as_error
 from tokenserve.runtime.errors import (DeadlineExceeded, ResourceExhausted, ServiceError,
@@ -119,7 +120,8 @@ class _Attempt:
 
 
 class Pipeline:
-    def __init__(self, config: ConfigSource, router: Router, tokenizer: TokenizerClient,
+    def __init__(self, config: ConfigSource, router: Router,
+                 tokenizer: TokenizerClient | Tokenizers,
                  engines: EngineClient, quotas: QuotaStore, spool: UsageSpool,
                  sender: SpoolSender | None, *, max_engine_attempts: int = 3,
                  stats: VersionStats | None = None, guardian: CanaryGuardian | None = None):

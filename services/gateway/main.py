@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -16,12 +17,13 @@ import structlog
 from controlplane import admin
 from controlplane.registry import register_with_retry
 from controlplane.schema import MAX_CANARY_WINDOW_SECONDS, GatewayRegistration
+from controlplane.snapshot import ConfigSnapshot
 from controlplane.store import ConfigStore
 from controlplane.watcher import ConfigWatcher
 from services.gateway import metrics
 from services.gateway.affinity import PrefixAffinity
 from services.gateway.canary import CanaryGuardian
-from services.gateway.config import GatewayConfig, StaticEngine
+from services.gateway.config import TOKENIZE_MODES, GatewayConfig, StaticEngine
 from services.gateway.downstream import Channels, EngineClient, MeterClient, TokenizerClient
 from services.gateway.health import EjectionPolicy, ReplicaHealth
 from services.gateway.http import HttpFront
@@ -31,6 +33,7 @@ from services.gateway.quota_store import (MemoryQuotaStore, NoQuotaStore, QuotaS
                                           RedisQuotaStore)
 from services.gateway.routing import Router
 from services.gateway.servicer import InferenceServicer
+from services.gateway.tokenizers import Tokenizers
 from services.gateway.version_stats import VersionStats
 
 from tokenserve.gateway.v1 import gateway_pb2_grpc
@@ -56,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--etcd-endpoints", default="127.0.0.1:2379",
                    help="comma-separated host:port list")
     p.add_argument("--tokenizer", default="127.0.0.1:50052")
+    p.add_argument("--tokenize", choices=TOKENIZE_MODES, default="auto",
+                   help="prompt ids: auto (default) encodes in this process where the model's"
+                        " artifact is readable here, else through the tokenizer service; remote:"
+                        " always the tokenizer service")
     p.add_argument("--meter", default="127.0.0.1:50054")
     p.add_argument("--engine", action="append", default=[], metavar="MODEL=VERSION=HOST:PORT",
                    help="an engine to route to without an etcd registration (repeatable)")
@@ -93,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             host=a.host, port=a.port, metrics_port=a.metrics_port,
             http_port=None if a.http_port < 0 else a.http_port,
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
-            tokenizer=a.tokenizer, meter=a.meter,
+            tokenizer=a.tokenizer, tokenize=a.tokenize, meter=a.meter,
             engines=tuple(StaticEngine.parse(e) for e in a.engine),
             snapshot_path=a.snapshot, spool_path=a.spool,
             spool_durability=a.spool_durability, default_model=a.default_model,
@@ -118,12 +125,22 @@ def quota_store(config: GatewayConfig, source: ConfigSource) -> QuotaStore:
                            live_gateways=lambda: len(source.snapshot.gateways))
 
 
-def build(config: GatewayConfig,
-          source: ConfigSource) -> tuple[GrpcServer, list[Callable[[], None]], HttpFront | None]:
+def router_for(config: GatewayConfig) -> Router:
+    """The router with replica health (ejection) and, when on, prefix affinity."""
+    health = ReplicaHealth(config.ejection)
+    metrics.REPLICAS_EJECTED.set_function(lambda: len(health.ejected()))
+    return Router(config.engines, config.default_model, health=health,
+                  affinity=PrefixAffinity() if config.prefix_affinity else None)
+
+
+def build(config: GatewayConfig, source: ConfigSource, router: Router, *,
+          watch: Callable[[Callable[[ConfigSnapshot], None]], object] | None = None,
+          ) -> tuple[GrpcServer, list[Callable[[], None]], HttpFront | None]:
     """The gRPC server, what to start once the loop runs (the usage sender, the replica
-    prober) and the HTTP front (None when off), wired to `source` (a started ConfigWatcher, or
-    any holder of a snapshot) and one pipeline. Stopping the server stops the HTTP front
-    first, then flushes the sender."""
+    prober) and the HTTP front (None when off), wired to `source` (a started ConfigWatcher,
+    or any holder of a snapshot), `router` (router_for) and one pipeline. `watch` subscribes a
+    callback to config changes (ConfigWatcher.on_change). Stopping the server stops the HTTP
+    front first, then flushes the sender."""
     spool = UsageSpool(config.spool_path, config.spool_durability)
     metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
     meter_channel, tokenizer_channel = aio_channel(config.meter), aio_channel(config.tokenizer)
@@ -136,19 +153,23 @@ def build(config: GatewayConfig,
     channels = Channels()
     engines = EngineClient(channels)
     quotas = quota_store(config, source)
-    health = ReplicaHealth(config.ejection, on_eject=lambda ep, why: prober.on_eject(ep, why))
-    prober = Prober(health, engines.serving)
-    metrics.REPLICAS_EJECTED.set_function(lambda: len(health.ejected()))
-    router = Router(config.engines, config.default_model, health=health,
-                    affinity=PrefixAffinity() if config.prefix_affinity else None)
+    # Tokenizer loads and long prompts run here, off the event loop.
+    tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+    tokenizers = Tokenizers(TokenizerClient(tokenizer_channel), tokenize_pool,
+                            local=config.tokenize == "auto")
+    tokenizers.apply(source.snapshot)
+    if watch is not None:
+        watch(tokenizers.apply)
+    prober = Prober(router.health, engines.serving)
+    router.health.subscribe(prober.on_eject)
     # Canary rollbacks: this gateway's own writes to the control plane, audited under its id.
     store = ConfigStore(list(config.etcd_endpoints))
     actor = f"gateway:{config.gateway_id or f'{socket.gethostname()}-{os.getpid()}'}"
     stats = VersionStats(retain_seconds=MAX_CANARY_WINDOW_SECONDS)
     guardian = CanaryGuardian(stats, lambda model, version, reason: admin.roll_back_canary(
         store, model, version, reason, actor=actor))
-    pipeline = Pipeline(source, router, TokenizerClient(tokenizer_channel), engines, quotas,
-                        spool, sender, max_engine_attempts=config.max_engine_attempts,
+    pipeline = Pipeline(source, router, tokenizers, engines, quotas, spool, sender,
+                        max_engine_attempts=config.max_engine_attempts,
                         stats=stats, guardian=guardian)
 
     async def close_all():
@@ -161,6 +182,7 @@ def build(config: GatewayConfig,
         await channels.close()
         await meter_channel.close()
         await tokenizer_channel.close()
+        tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port)
     http = None
@@ -188,7 +210,11 @@ async def serve(config: GatewayConfig):
     watcher = ConfigWatcher(list(config.etcd_endpoints), snapshot_path=Path(config.snapshot_path),
                             service="gateway")
     await watcher.start()
-    server, background, http = build(config, watcher)
+    router = router_for(config)
+    # At start (the first snapshot holds the engines registered so far), then on every change.
+    router.log_context_mismatches(watcher.snapshot)
+    watcher.on_change(router.log_context_mismatches)
+    server, background, http = build(config, watcher, router, watch=watcher.on_change)
     if http is not None:
         await http.start()  # listening before health says SERVING
     port = await server.start()

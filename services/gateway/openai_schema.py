@@ -2,17 +2,18 @@
 pipeline's `InferenceRequest`, and the OpenAPI document that is the HTTP front's contract.
 
 Parsing checks only shapes and types (a 400 naming the field); every range and limit is
-checked once, by `validation.validate`, for both adapters.
+checked once, by `validation.validate`, for both adapters. The sampling fields of a body are
+derived from `tokenserve.sampling` (names through `OPENAI_NAMES`, types from the dataclass).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from services.gateway.validation import CHAT_ROLES, InferenceRequest, Message
 from tokenserve.runtime.errors import InvalidArgument
-from tokenserve.sampling import SamplingParams
+from tokenserve.sampling import FIELDS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 
 # OpenAI's newer name for the system role.
 _ROLE_ALIASES = {"developer": "system"}
@@ -23,6 +24,26 @@ class _Body(BaseModel):
     # Unknown fields are ignored, as most OpenAI-compatible servers do: clients send
     # vendor extensions (e.g. `metadata`, `store`) that change nothing here.
     model_config = ConfigDict(extra="ignore")
+
+
+# Each sampling control (tokenserve.sampling.FIELDS) is either set by the OpenAI body field
+# named here, or listed in NOT_OVER_HTTP; a test checks every control is one or the other, so a
+# new control needs a decision here and nothing else (the body field and conversion follow).
+OPENAI_NAMES: dict[str, str] = {  # control -> OpenAI's name for it
+    "temperature": "temperature", "top_p": "top_p", "seed": "seed",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+# OpenAI's API has no such field: set them through the gRPC API; over HTTP they keep their
+# defaults (a body that sends one has it ignored, as any unknown field).
+NOT_OVER_HTTP = frozenset({"top_k", "min_p", "repetition_penalty"})
+_DESCRIPTIONS = {"temperature": "0 is greedy"}
+_TYPES = get_type_hints(SamplingParams)
+
+# One optional body field per exposed control; None: the control keeps its default.
+_SamplingBody = create_model(
+    "_SamplingBody", __base__=_Body,
+    **{OPENAI_NAMES[name]: (_TYPES[name] | None,
+                            Field(None, description=_DESCRIPTIONS.get(name)))
+       for name in FIELDS if name in OPENAI_NAMES})
 
 
 class TextPart(_Body):
@@ -42,16 +63,12 @@ class StreamOptions(_Body):
         None, description="send one last chunk with `usage` and `choices: []`")
 
 
-class _Generation(_Body):
+class _Generation(_SamplingBody):
     model: str = Field("", description="model name; empty: the gateway's default model")
     max_tokens: int | None = Field(
         None, description="tokens to generate at most; default: the tier's cap")
-    temperature: float | None = Field(None, description="0 is greedy")
-    top_p: float | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stop: str | list[str] | None = Field(None, description="up to 8 stop strings")
+    stop: str | list[str] | None = Field(
+        None, description=f"up to {MAX_STOP_STRINGS} stop strings")
     n: int | None = Field(None, description="only 1 is supported")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -64,13 +81,15 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(
         None, description="the newer name of max_tokens; wins when both are set")
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, description="alternatives per token, 0-20")
+    top_logprobs: int | None = Field(
+        None, description=f"alternatives per token, 0-{MAX_TOP_LOGPROBS}")
 
 
 class CompletionRequest(_Generation):
     prompt: str | list[str] = Field(description="the text (a list must hold exactly one)")
     logprobs: int | None = Field(
-        None, description="alternatives per token, 0-20 (the completions API's form)")
+        None, description=f"alternatives per token, 0-{MAX_TOP_LOGPROBS} (the completions"
+                          " API's form)")
     echo: bool | None = Field(None, description="only false is supported")
 
 
@@ -95,8 +114,7 @@ def _content(m: ChatMessage) -> str:
 
 def _sampling(body: _Generation) -> SamplingParams:
     """The controls the body sets; unset ones keep the gRPC API's defaults (greedy)."""
-    given = {name: getattr(body, name) for name in ("temperature", "top_p", "seed",
-                                                    "presence_penalty", "frequency_penalty")}
+    given = {name: getattr(body, wire) for name, wire in OPENAI_NAMES.items()}
     return SamplingParams(**{k: v for k, v in given.items() if v is not None})
 
 

@@ -85,7 +85,8 @@ class Router:
         self.affinity = affinity
         # endpoint -> prompt + max_tokens of requests in flight there.
         self._outstanding: dict[str, int] = {}
-        self._warned_context: set[str] = set()
+        # (engine id, version, engine's limit, etcd's) of each mismatch already logged.
+        self._context_logged: set[tuple[str, str, int, int]] = set()
 
     # -- what exists ----------------------------------------------------------------------
     def _engines(self, snap: ConfigSnapshot, model: str) -> dict[str, list[str]]:
@@ -111,24 +112,44 @@ class Router:
             out.append(ModelInfo(name, versions, self.max_context(snap, name)))
         return out
 
-    def max_context(self, snap: ConfigSnapshot, model: str) -> int:
-        """The context a request for `model` must fit: the smaller of the model spec's (etcd)
-        and the smallest any live engine of the model reported for the model it loaded; 0
-        when neither is known. A disagreement is logged once per engine."""
+    @staticmethod
+    def _configured_context(snap: ConfigSnapshot, model: str, version: str | None = None) -> int:
+        """etcd's max_context for `version` of `model` (None or a version the spec lacks: the
+        default version's); 0 without a model spec."""
         spec = snap.models.get(model)
-        mv = spec.versions.get(spec.default_version) if spec else None
-        configured = mv.max_context if mv else 0
-        limits = [configured] if configured else []
+        if spec is None:
+            return 0
+        mv = spec.versions.get(version) if version else None
+        mv = mv or spec.versions.get(spec.default_version)
+        return mv.max_context if mv else 0
+
+    def max_context(self, snap: ConfigSnapshot, model: str) -> int:
+        """The context a request for `model` must fit: the smallest of etcd's (the default
+        version's, and that of each live engine's version) and what each live engine reported
+        for the model it loaded; 0 when none is known."""
+        limits = [self._configured_context(snap, model)]
         for e in snap.engines_for(model):
-            if not e.max_context:
+            limits += [e.max_context, self._configured_context(snap, model, e.version)]
+        return min((n for n in limits if n), default=0)  # 0: not known
+
+    def log_context_mismatches(self, snap: ConfigSnapshot) -> None:
+        """Warns once for each registered engine whose context limit differs from etcd's for
+        its model version. Call with the first snapshot and every change after it (a new
+        engine, or a changed model spec, is logged as soon as both figures are known)."""
+        live = set()
+        for e in sorted(snap.engines.values(), key=lambda e: e.id):
+            configured = self._configured_context(snap, e.model, e.version)
+            if not e.max_context or not configured or e.max_context == configured:
                 continue
-            limits.append(e.max_context)
-            if configured and e.max_context != configured and e.id not in self._warned_context:
-                self._warned_context.add(e.id)
-                log.warning("engine_context_mismatch", engine=e.id, model=model,
-                            engine_max_context=e.max_context, configured_max_context=configured,
+            key = (e.id, e.version, e.max_context, configured)
+            live.add(key)
+            if key not in self._context_logged:
+                log.warning("engine_context_mismatch", model=e.model, version=e.version,
+                            engine=e.id, etcd_max_context=configured,
+                            engine_max_context=e.max_context,
                             using=min(e.max_context, configured))
-        return min(limits, default=0)
+        # Only what is still registered: an engine that comes back is logged again.
+        self._context_logged = live
 
     def resolve_model(self, snap: ConfigSnapshot, name: str) -> str:
         """The model to serve for a request's `model` field (empty: the default)."""

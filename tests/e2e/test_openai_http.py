@@ -19,7 +19,9 @@ import openai
 import pytest
 
 from controlplane.launcher import Suite, SuitePorts, curl_command
+from tokenserve.client import Client
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
+from tokenserve.models import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -74,6 +76,17 @@ def meter_row(suite, request_id: str, timeout: float = 30) -> dict | None:
                     return dict(zip(header.split(","), ln.split(",")))
             time.sleep(0.2)
     return None
+
+
+def billed_requests(suite, key: str, at_least: int, timeout: float = 30) -> int:
+    """Requests billed to `key`'s tenant (GetUsage), once at least `at_least` have been."""
+    with Client(suite.address("gateway"), key, timeout=10) as c:
+        end = time.monotonic() + timeout
+        while True:
+            total = sum(r.requests for r in c.get_usage())
+            if total >= at_least or time.monotonic() > end:
+                return total
+            time.sleep(0.2)
 
 
 def engine_cancelled(suite) -> float:
@@ -193,17 +206,25 @@ def test_the_node_grpc_client_streams_a_chat(suite, key):
 def test_readme_python_examples_run(suite, key):
     text = (ROOT / "README.md").read_text()
     blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     env = {**os.environ, "TOKENSERVE_GATEWAY": suite.address("gateway"),
            "TOKENSERVE_API_KEY": key, "OPENAI_BASE_URL": suite.http_url, "OPENAI_API_KEY": key}
-    outputs = []
-    for block in blocks:
+    outputs, billed = [], 0
+    for i, block in enumerate(blocks):
+        if i == 3:  # the usage example: wait until the blocks before it reached the meter
+            billed = billed_requests(suite, key, at_least=4)
         proc = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
                               timeout=180, env=env, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr
         outputs.append(proc.stdout)
-    openai_example, sdk_example, errors_example = outputs
+    openai_example, sdk_example, errors_example, usage_example = outputs
     assert "Paris" in openai_example and "prompt tokens cached" in openai_example
     assert "completion_tokens=" in sdk_example
     assert "Paris" in errors_example
     assert "fix the request: max_tokens must be >= 1" in errors_example
+    lines = usage_example.splitlines()
+    assert lines and all(ln.startswith(f"{DEFAULT_MODEL_NAME} app=") for ln in lines), lines
+    assert all(ln.endswith("tokens/J") for ln in lines), lines
+    # the four billed calls of the blocks before it, and the earlier tests' with this key
+    assert billed >= 4
+    assert sum(int(ln.split(": ", 1)[1].split(" requests")[0]) for ln in lines) >= billed

@@ -16,7 +16,7 @@ import pytest
 
 from controlplane.schema import Tenant
 from tests.integration.gateway.conftest import FREE_MAX_TOKENS, start_gateway
-from tests.integration.gateway.fakes import MODEL
+from tests.integration.gateway.fakes import MODEL, fake_engine
 from tests.integration.gateway.test_gateway_with_fakes import meter_rows, wait_for
 
 
@@ -175,3 +175,81 @@ def test_sigterm_lets_a_running_http_stream_finish(workdir, control, key, tokeni
         code = gw.stop()
     assert "".join(parts) == "".join(f"w{i} " for i in range(8))
     assert code == 0
+
+
+@pytest.fixture(scope="module")
+def slow_gateway(workdir, control, key, tokenizer, meter):
+    """A gateway whose requests have 1 s, over an engine of its own that sends a token every
+    0.4 s (2 tokens fit in the deadline)."""
+    engine = fake_engine(delay=0.4)
+    gw = start_gateway(workdir, control.endpoint, tokenizer.target, meter.target,
+                       [engine.target], name="gateway-deadline",
+                       extra_args=["--request-timeout", "1"])
+    yield gw, engine
+    gw.stop()
+    engine.stop()
+
+
+def post_chat(gw, key: str, body: dict, request_id: str):
+    req = urllib.request.Request(
+        f"{gw.http_url}/chat/completions",
+        data=json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "go"}],
+                         **body}).encode(),
+        headers={"authorization": f"Bearer {key}", "content-type": "application/json",
+                 "x-request-id": request_id})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=20)
+    return err.value.code, err.value.headers, json.loads(err.value.read())
+
+
+def test_a_request_past_its_deadline_is_a_504_billed_for_what_the_engine_made(
+        slow_gateway, key, meter_stub):
+    gw, engine = slow_gateway
+    status, headers, body = post_chat(gw, key, {"max_tokens": FREE_MAX_TOKENS}, "http-late-1")
+    assert status == 504 and headers["content-type"].startswith("application/json")
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "timeout_error" and body["error"]["param"] is None
+    assert "deadline" in body["error"]["message"].lower()
+    # the engine stopped at the deadline, not after all FREE_MAX_TOKENS tokens
+    assert wait_for(lambda: "http-late-1" in engine.servicer.cancelled)
+    (row,) = wait_for(lambda: meter_rows(meter_stub, "http-late-1"))
+    assert row["status"] == "DEADLINE_EXCEEDED"
+    assert row["prompt_tokens"] == "4" and int(row["completion_tokens"]) <= 2
+
+    # the openai package raises it as a typed error with the same body
+    with openai.OpenAI(base_url=gw.http_url, api_key=key, max_retries=0, timeout=20) as c:
+        with pytest.raises(openai.InternalServerError) as err:
+            c.completions.create(model=MODEL, prompt="go", max_tokens=FREE_MAX_TOKENS)
+    assert err.value.status_code == 504 and err.value.body["type"] == "timeout_error"
+
+
+def test_a_stream_with_no_token_before_its_deadline_is_a_504(slow_gateway, key, meter_stub):
+    gw, engine = slow_gateway
+    engine.servicer.delay = 1.5
+    try:
+        status, _, body = post_chat(gw, key, {"max_tokens": 4, "stream": True}, "http-late-2")
+    finally:
+        engine.servicer.delay = 0.4
+    assert status == 504 and body["error"]["type"] == "timeout_error"
+    (row,) = wait_for(lambda: meter_rows(meter_stub, "http-late-2"))
+    assert (row["status"], row["completion_tokens"]) == ("DEADLINE_EXCEEDED", "0")
+
+
+def test_a_stream_past_its_deadline_ends_with_an_error_event_billing_what_was_sent(
+        slow_gateway, key, meter_stub):
+    gw, _ = slow_gateway
+    got = []
+    with openai.OpenAI(base_url=gw.http_url, api_key=key, max_retries=0, timeout=20) as c:
+        stream = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "go"}], stream=True,
+            max_tokens=FREE_MAX_TOKENS, extra_headers={"x-request-id": "http-late-3"})
+        # the status line (200) went out with the first token: the error is an SSE event
+        with pytest.raises(openai.APIError) as err:
+            for chunk in stream:
+                got += [chunk.choices[0].delta.content] if chunk.choices[0].delta.content else []
+    assert err.value.body["type"] == "timeout_error"
+    assert 1 <= len(got) <= 2 and got == [f"w{i} " for i in range(len(got))]
+    (row,) = wait_for(lambda: meter_rows(meter_stub, "http-late-3"))
+    assert row["status"] == "DEADLINE_EXCEEDED"
+    assert int(row["completion_tokens"]) == len(got)  # billed exactly the tokens it got

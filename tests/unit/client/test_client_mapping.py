@@ -89,3 +89,26 @@ def test_last_chunk_carries_finish_reason_and_usage():
         usage=common_pb2.Usage(prompt_tokens=4, completion_tokens=2), model_version="v1"))
     assert last.finish_reason == "stop" and last.usage == sdk.Usage(4, 2, 0)
     assert sdk._collect([mid, last]) == ("ab", sdk.Usage(4, 2, 0))
+
+
+def test_sampling_options_are_the_shared_field_list():
+    from tokenserve.sampling import FIELDS
+    assert sdk._SAMPLING == FIELDS
+    assert set(sdk._TOP_LEVEL) == {"temperature", "top_p", "top_k", "seed"}
+    req = sdk._chat_request([("user", "hi")], "", 1, {name: 1 for name in FIELDS})
+    assert req.temperature == 1 and req.sampling.repetition_penalty == 1
+
+
+def test_usage_requests_name_dimensions_and_rows_keep_every_field():
+    from tokenserve.meter.v1 import meter_pb2
+    req = sdk._usage_request(["model", "time"], 10.0, 20.0, 60, "acme")
+    assert list(req.group_by) == [meter_pb2.GROUP_BY_MODEL, meter_pb2.GROUP_BY_TIME]
+    assert (req.start, req.end, req.bucket_seconds, req.tenant_id) == (10.0, 20.0, 60, "acme")
+    assert list(sdk._usage_request("app", 0, 0, 0, "").group_by) == [meter_pb2.GROUP_BY_APP]
+    with pytest.raises(ValueError, match="'modle'.*allowed: tenant, app, model, version"):
+        sdk._usage_request(["modle"], 0, 0, 0, "")
+    (row,) = sdk._usage_rows(gateway_pb2.GetUsageResponse(rows=[meter_pb2.UsageRow(
+        keys=["tiny", "3600"], requests=2, prompt_tokens=5, completion_tokens=7,
+        cached_tokens=1, energy_joules=1.5, total_tokens=12, tokens_per_joule=8.0,
+        energy_estimated=True)]))
+    assert row == sdk.UsageRow(("tiny", "3600"), 2, 5, 7, 1, 12, 1.5, 8.0, True)

@@ -1,10 +1,14 @@
 """OpenAI request bodies -> the pipeline's InferenceRequest, and the served OpenAPI document."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
-from services.gateway.openai_schema import (ChatCompletionRequest, CompletionRequest,
-                                            chat_request, completion_request, openapi_document)
+from services.gateway.openai_schema import (NOT_OVER_HTTP, OPENAI_NAMES, ChatCompletionRequest,
+                                            CompletionRequest, chat_request, completion_request,
+                                            openapi_document)
+from tokenserve import sampling
 from tokenserve.runtime.errors import InvalidArgument
 
 
@@ -67,3 +71,37 @@ def test_openapi_document_names_every_operation_and_its_errors():
     schema = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert {"messages", "max_tokens", "stream_options", "logprobs"} <= set(schema["properties"])
     assert schema["required"] == ["messages"]
+
+
+def test_every_sampling_control_is_mapped_or_explicitly_not_over_http():
+    # A control added to tokenserve.sampling fails here until OPENAI_NAMES or NOT_OVER_HTTP
+    # takes it.
+    assert set(OPENAI_NAMES).isdisjoint(NOT_OVER_HTTP)
+    assert set(OPENAI_NAMES) | NOT_OVER_HTTP == set(sampling.FIELDS)
+    assert len(set(OPENAI_NAMES.values())) == len(OPENAI_NAMES)
+
+
+def _non_default(f):
+    """A valid value of the control `f` other than its default."""
+    return {"float": 0.25, "int": 3, "int | None": 3}[f.type]
+
+
+def test_every_mapped_control_reaches_the_request_and_the_rest_keep_their_defaults():
+    controls = {f.name: f for f in fields(sampling.SamplingParams)}
+    body = {OPENAI_NAMES[name]: _non_default(controls[name]) for name in OPENAI_NAMES}
+    body.update({name: _non_default(controls[name]) for name in NOT_OVER_HTTP})  # ignored
+    for req in (chat(**body), completion_request(CompletionRequest.model_validate(
+            {**body, "prompt": "x"}), default_max_tokens=8, request_id="r")):
+        got = {name: getattr(req.sampling, name) for name in sampling.FIELDS}
+        assert got == {name: body[OPENAI_NAMES[name]] if name in OPENAI_NAMES
+                       else controls[name].default for name in sampling.FIELDS}
+    assert chat().sampling == sampling.SamplingParams()  # nothing set: greedy defaults
+
+
+def test_the_openapi_document_lists_the_mapped_controls_and_the_shared_limits():
+    doc = openapi_document("t", "1")
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        props = doc["components"]["schemas"][name]["properties"]
+        assert set(OPENAI_NAMES.values()) <= set(props)
+        assert not NOT_OVER_HTTP & set(props)
+        assert f"up to {sampling.MAX_STOP_STRINGS} stop strings" in props["stop"]["description"]

@@ -6,8 +6,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
+from structlog.testing import capture_logs
 
-from controlplane.schema import Route
+from controlplane.schema import EngineRegistration, ModelSpec, ModelVersion, Route
 from services.gateway.affinity import AffinityPolicy, PrefixAffinity
 from services.gateway.config import StaticEngine
 from services.gateway.health import EjectionPolicy, Failure, ReplicaHealth
@@ -93,6 +94,65 @@ def test_model_listing_shows_route_weights_and_context():
 def test_the_context_limit_is_the_smaller_of_etcd_and_the_engines(configured, engine, expected):
     snap = build(engines=[("v1", "h:1")], max_context=configured, engine_max_context=engine)
     assert router().max_context(snap, MODEL) == expected
+
+
+def _v2_context(snap, v2: int, revision: int = 2):
+    """`snap` with etcd's max_context of v2 changed (v1, the default, stays)."""
+    v1 = snap.models[MODEL].versions["v1"]
+    spec = ModelSpec(MODEL, {"v1": v1, "v2": ModelVersion("builtin:tiny", v2)}, "v1")
+    return snap.with_changes(revision, {spec.key: spec})
+
+
+def test_an_engine_of_a_version_with_a_smaller_etcd_context_bounds_the_model():
+    snap = _v2_context(build(engines=[("v1", "h:1"), ("v2", "h:2")], max_context=64), 32)
+    assert router().max_context(snap, MODEL) == 32
+    assert router().max_context(_v2_context(build(engines=[("v1", "h:1")]), 32), MODEL) == 64
+
+
+def _mismatches(logs):
+    return [{k: v for k, v in e.items() if k not in ("component", "log_level")}
+            for e in logs if e["event"] == "engine_context_mismatch"]
+
+
+def test_a_context_mismatch_is_logged_once_per_engine_when_both_figures_are_known():
+    r = router()
+    start = build(engines=[("v1", "h:1")], max_context=64, engine_max_context=48)
+    with capture_logs() as logs:
+        r.log_context_mismatches(start)
+        r.log_context_mismatches(start.with_changes(2, {}))  # an unrelated change
+    assert _mismatches(logs) == [
+        {"event": "engine_context_mismatch", "model": MODEL, "version": "v1",
+         "engine": "engine-0", "etcd_max_context": 64, "engine_max_context": 48, "using": 48}]
+    assert logs[0]["log_level"] == "warning"
+
+    # A new engine registers (etcd stricter than it), then etcd's v2 figure changes.
+    joined = start.with_changes(3, {"engines/engine-1": EngineRegistration(
+        "engine-1", "h:2", MODEL, "v2", 8, max_context=4096)})
+    with capture_logs() as logs:
+        r.log_context_mismatches(joined)
+        r.log_context_mismatches(_v2_context(joined, 2048, revision=4))
+    assert [(m["engine"], m["version"], m["etcd_max_context"], m["engine_max_context"],
+             m["using"]) for m in _mismatches(logs)] == [
+        ("engine-1", "v2", 64, 4096, 64), ("engine-1", "v2", 2048, 4096, 2048)]
+
+
+@pytest.mark.parametrize("configured, engine", [(64, 64), (64, 0)])
+def test_no_mismatch_is_logged_when_the_figures_agree_or_the_engine_reports_none(
+        configured, engine):
+    with capture_logs() as logs:
+        router().log_context_mismatches(
+            build(engines=[("v1", "h:1")], max_context=configured, engine_max_context=engine))
+    assert _mismatches(logs) == []
+
+
+def test_an_engine_that_registers_again_is_logged_again():
+    r = router()
+    snap = build(engines=[("v1", "h:1")], max_context=64, engine_max_context=48)
+    with capture_logs() as logs:
+        r.log_context_mismatches(snap)
+        r.log_context_mismatches(snap.with_changes(2, {"engines/engine-0": None}))
+        r.log_context_mismatches(snap.with_changes(3, {}))
+    assert [m["engine"] for m in _mismatches(logs)] == ["engine-0", "engine-0"]
 
 
 # -- load, health, affinity, sessions ---------------------------------------------------------

@@ -44,6 +44,9 @@ def test_good_requests_get_a_request_id():
     ({"top_logprobs": 21}, "top_logprobs"),
     ({"request_id": "has space"}, "request_id"),
     ({"app": "x" * 65}, "app"),
+    ({"prompt": "ab\x00c"}, "prompt contains a NUL character at offset 2"),
+    # 300,000 four-byte characters: under the character limit, over the tokenizer's bytes
+    ({"prompt": "\U0001f600" * 300_000}, "prompt is 1200000 bytes of UTF-8; at most 1048576"),
 ])
 def test_bad_generate_fields_are_named(change, named):
     with pytest.raises(InvalidArgument, match=named):
@@ -55,6 +58,9 @@ def test_bad_generate_fields_are_named(change, named):
     ((Message("wizard", "hi"),), r"messages\[0\].role"),
     ((Message("user", "ok"), Message("tool", "x")), r"messages\[1\].role"),
     ((Message("user", ""),), "empty"),
+    ((Message("user", "ok"), Message("user", "\x00")), r"messages\[1\].content contains a NUL"),
+    ((Message("user", "\u00e9" * 300_000), Message("user", "\u00e9" * 300_000)),
+     "messages is 1200000 bytes of UTF-8; at most 1048576"),
 ])
 def test_bad_chat_messages_are_named(messages, named):
     with pytest.raises(InvalidArgument, match=named):
