@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import time
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from controlplane import schema
-from controlplane.schema import (ApiKey, Degradation, DegradationThresholds, ModelSpec, ModelVersion,
-                                 PowerBudget, Route, Tenant, Tier)
+from controlplane.schema import (ApiKey, CanaryGuard, Degradation, DegradationThresholds, ModelSpec,
+                                 ModelVersion, PowerBudget, Route, Tenant, Tier)
 from controlplane.store import ConfigStore, Versioned
-from tokenserve.runtime.errors import FailedPrecondition, InvalidArgument, NotFound
+from tokenserve.runtime.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
 
 # -- tenants -----------------------------------------------------------------------------------
 
@@ -137,6 +138,7 @@ async def set_model_version(store: ConfigStore, name: str, version: str, artifac
 
 async def set_route(store: ConfigStore, model: str, weights: Mapping[str, int], *,
                     sticky: bool | None = None, actor: str) -> int:
+    """Sets the weights by hand, which ends any guarded canary (the guard is dropped)."""
     cur = await store.get(f"routes/{model}")
     keep_sticky = cur.document.sticky if cur else False
     doc = Route(model, dict(weights), keep_sticky if sticky is None else sticky)
@@ -163,13 +165,85 @@ def canary_weights(current: Mapping[str, int], version: str, percent: int) -> di
     return out
 
 
-async def route_canary(store: ConfigStore, model: str, version: str, percent: int, *, actor: str) -> tuple[dict, int]:
+@dataclass(frozen=True)
+class GuardLimits:
+    """What `tsctl route canary --max-error-rate/--max-ttft-p99/--window/--min-requests` asks."""
+
+    max_error_rate: float | None = None
+    max_ttft_p99_seconds: float | None = None
+    window_seconds: float | None = None
+    min_requests: int | None = None
+
+    @property
+    def given(self) -> bool:
+        return any(v is not None for v in dataclasses.astuple(self))
+
+
+def _guard(current: Route, version: str, limits: GuardLimits) -> CanaryGuard | None:
+    """The guard a canary of `version` carries: new limits when given, else the current
+    guard when it guards the same version. Stable: the current guard's, else the version
+    that carried the most traffic before this canary."""
+    same = current.canary if current.canary and current.canary.version == version else None
+    if not limits.given:
+        return same
+    if same is not None:
+        stable = same.stable
+    else:
+        others = {v: w for v, w in current.versions.items() if v != version}
+        if not others:
+            raise FailedPrecondition(f"routes/{current.model} has no other version to fall back"
+                                     " to; a guarded canary needs a stable version")
+        stable = min(others, key=lambda v: (-others[v], v))
+    defaults = CanaryGuard(version, stable, max_error_rate=limits.max_error_rate,
+                           max_ttft_p99_seconds=limits.max_ttft_p99_seconds)
+    return dataclasses.replace(defaults, **{k: v for k, v in (
+        ("window_seconds", limits.window_seconds), ("min_requests", limits.min_requests))
+        if v is not None})
+
+
+async def route_canary(store: ConfigStore, model: str, version: str, percent: int, *,
+                       actor: str, limits: GuardLimits = GuardLimits()) -> tuple[Route, int]:
+    """Gives `version` `percent`% of the traffic, guarded by `limits` when given (a canary at
+    0% carries no guard)."""
     cur = await store.require(f"routes/{model}")
     weights = canary_weights(cur.document.versions, version, percent)
-    doc = dataclasses.replace(cur.document, versions=weights)
+    guard = _guard(cur.document, version, limits) if percent > 0 else None
+    doc = dataclasses.replace(cur.document, versions=weights, canary=guard)
+    detail = f"{version} -> {percent}%" + (f"; guard {guard.describe()}" if guard else "")
     rev = await store.put(doc, actor=actor, expected_revision=cur.mod_revision, action="canary",
-                          detail=f"{version} -> {percent}%")
-    return weights, rev
+                          detail=detail)
+    return doc, rev
+
+
+async def route_promote(store: ConfigStore, model: str, version: str, *,
+                        actor: str) -> tuple[Route, int]:
+    """Completes a rollout: `version` gets 100%, the others 0, the guard is cleared."""
+    cur = await store.require(f"routes/{model}")
+    weights = {v: 0 for v in cur.document.versions} | {version: 100}
+    doc = dataclasses.replace(cur.document, versions=weights, canary=None)
+    rev = await store.put(doc, actor=actor, expected_revision=cur.mod_revision, action="promote",
+                          detail=f"{version} -> 100%")
+    return doc, rev
+
+
+async def roll_back_canary(store: ConfigStore, model: str, version: str, reason: str, *,
+                           actor: str) -> int | None:
+    """A gateway's rollback of a breached canary: the guard's stable version gets 100% and
+    the guard is cleared, audited with `reason`. One transaction on the route's mod revision,
+    so when several gateways see the breach at once one rolls back and the others find it
+    done, or lose the compare, and do nothing (None)."""
+    cur = await store.get(f"routes/{model}")
+    route = cur.document if cur else None
+    if route is None or route.canary is None or route.canary.version != version \
+            or route.versions.get(version, 0) == 0:
+        return None  # already rolled back, promoted or changed by hand
+    weights = {v: 0 for v in route.versions} | {route.canary.stable: 100}
+    doc = dataclasses.replace(route, versions=weights, canary=None)
+    try:
+        return await store.put(doc, actor=actor, expected_revision=cur.mod_revision,
+                               action="canary-rollback", detail=reason)
+    except Conflict:
+        return None
 
 
 async def route_rollback(store: ConfigStore, model: str, *, actor: str) -> tuple[int, int]:

@@ -225,13 +225,64 @@ class Degradation:
         return steps[min(level, len(steps)) - 1]
 
 
+# Longest window a canary guard may compare over (gateways keep this much per version).
+MAX_CANARY_WINDOW_SECONDS = 600.0
+
+
+@dataclass(frozen=True)
+class CanaryGuard:
+    """Limits on a canary `version`, watched by every gateway: when over `window_seconds`
+    (and at least `min_requests` of the canary's) its error rate passes `max_error_rate`, or
+    its TTFT p99 passes `max_ttft_p99_seconds`, and it is worse than `stable` over the same
+    window, a gateway rolls the route back to `stable` at 100%."""
+
+    version: str
+    stable: str
+    max_error_rate: float | None = None
+    max_ttft_p99_seconds: float | None = None
+    window_seconds: float = 60.0
+    min_requests: int = 20
+
+    def check(self, c: "_Check") -> None:
+        c.name("canary.version", self.version)
+        c.name("canary.stable", self.stable)
+        if self.version == self.stable:
+            c.fail(f"canary.stable must differ from canary.version ({self.version!r})")
+        if self.max_error_rate is None and self.max_ttft_p99_seconds is None:
+            c.fail("canary: give max_error_rate, max_ttft_p99_seconds or both")
+        if self.max_error_rate is not None:
+            c.number("canary.max_error_rate", self.max_error_rate, integer=False, minimum=0)
+            if self.max_error_rate >= 1:
+                c.fail(f"canary.max_error_rate must be < 1, got {self.max_error_rate!r}")
+        if self.max_ttft_p99_seconds is not None:
+            c.number("canary.max_ttft_p99_seconds", self.max_ttft_p99_seconds, integer=False,
+                     minimum=0, strict=True)
+        c.number("canary.window_seconds", self.window_seconds, integer=False, minimum=0,
+                 strict=True)
+        if self.window_seconds > MAX_CANARY_WINDOW_SECONDS:
+            c.fail(f"canary.window_seconds must be <= {MAX_CANARY_WINDOW_SECONDS:g}, "
+                   f"got {self.window_seconds!r}")
+        c.number("canary.min_requests", self.min_requests, integer=True, minimum=1)
+
+    def describe(self) -> str:
+        limits = []
+        if self.max_error_rate is not None:
+            limits.append(f"error rate <= {self.max_error_rate:g}")
+        if self.max_ttft_p99_seconds is not None:
+            limits.append(f"ttft p99 <= {self.max_ttft_p99_seconds:g}s")
+        return (f"{self.version}: {' and '.join(limits)} over {self.window_seconds:g}s"
+                f" (min {self.min_requests} requests), else back to {self.stable}")
+
+
 @dataclass(frozen=True)
 class Route:
-    """How requests for `model` split between its versions (weights are relative)."""
+    """How requests for `model` split between its versions (weights are relative).
+    `canary`: the guard of a rollout in progress (None: none; absent from older documents)."""
 
     model: str
     versions: Mapping[str, int]
     sticky: bool = False
+    canary: CanaryGuard | None = field(default=None, metadata={"omit_if_none": True})
 
     def __post_init__(self):
         c = _Check(self.key)
@@ -244,6 +295,14 @@ class Route:
         if sum(self.versions.values()) <= 0:
             c.fail("versions: at least one weight must be > 0")
         c.boolean("sticky", self.sticky)
+        if self.canary is not None:
+            if not isinstance(self.canary, CanaryGuard):
+                c.fail(f"canary must be an object with version, stable and limits, got {self.canary!r}")
+            self.canary.check(c)
+            for role, v in (("version", self.canary.version), ("stable", self.canary.stable)):
+                if v not in self.versions:
+                    c.fail(f"canary.{role} {v!r} is not one of the versions "
+                           f"({', '.join(sorted(self.versions))})")
         _frozen_map(self, "versions", self.versions)
 
     @property
@@ -364,7 +423,10 @@ def to_dict(doc: Document) -> dict:
     """Plain JSON-ready dict (tuples -> lists, mapping proxies -> dicts)."""
     def plain(v):
         if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+            # An optional field left unset is left out: documents without it stay as they
+            # were, readable by services that predate the field.
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)
+                    if not (f.metadata.get("omit_if_none") and getattr(v, f.name) is None)}
         if isinstance(v, Mapping):
             return {k: plain(x) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
@@ -401,6 +463,8 @@ def parse(key: str, data: Mapping | bytes | str) -> Document:
     try:
         if cls is Degradation and isinstance(args.get("thresholds"), Mapping):
             args["thresholds"] = DegradationThresholds(**args["thresholds"])
+        if cls is Route and isinstance(args.get("canary"), Mapping):
+            args["canary"] = CanaryGuard(**args["canary"])
         if cls is ModelSpec and isinstance(args.get("versions"), Mapping):
             args["versions"] = {v: ModelVersion(**mv) if isinstance(mv, Mapping) else mv
                                 for v, mv in args["versions"].items()}

@@ -189,9 +189,13 @@ async def cmd_route(store: ConfigStore, a: argparse.Namespace, out: Output) -> i
         out.emit({"model": a.model, "versions": weights, "revision": rev},
                  text=f"routes/{a.model}: {_cell(weights)} (revision {rev})")
     elif a.action == "canary":
-        weights, rev = await admin.route_canary(store, a.model, a.version, a.percent, actor=a.actor)
-        out.emit({"model": a.model, "versions": weights, "revision": rev},
-                 text=f"routes/{a.model}: {_cell(weights)} (revision {rev})")
+        limits = admin.GuardLimits(a.max_error_rate, a.max_ttft_p99, a.window, a.min_requests)
+        doc, rev = await admin.route_canary(store, a.model, a.version, a.percent,
+                                            actor=a.actor, limits=limits)
+        out.emit({**schema.to_dict(doc), "revision": rev}, text=_route_text(doc, rev))
+    elif a.action == "promote":
+        doc, rev = await admin.route_promote(store, a.model, a.version, actor=a.actor)
+        out.emit({**schema.to_dict(doc), "revision": rev}, text=_route_text(doc, rev))
     elif a.action == "rollback":
         target, rev = await admin.route_rollback(store, a.model, actor=a.actor)
         doc = (await store.require(f"routes/{a.model}")).document
@@ -201,9 +205,15 @@ async def cmd_route(store: ConfigStore, a: argparse.Namespace, out: Output) -> i
         routes = [v.document for v in await store.list("routes") if a.model is None or v.document.model == a.model]
         if a.model and not routes:
             await store.require(f"routes/{a.model}")
-        rows = [{"model": r.model, "versions": dict(r.versions), "sticky": r.sticky} for r in routes]
-        out.emit(rows, table=rows, columns=("model", "versions", "sticky"))
+        rows = [{"model": r.model, "versions": dict(r.versions), "sticky": r.sticky,
+                 "canary_guard": r.canary.describe() if r.canary else None} for r in routes]
+        out.emit(rows, table=rows, columns=("model", "versions", "sticky", "canary_guard"))
     return EXIT_OK
+
+
+def _route_text(doc: schema.Route, revision: int) -> str:
+    text = f"routes/{doc.model}: {_cell(dict(doc.versions))} (revision {revision})"
+    return text + (f"\n  guard: {doc.canary.describe()}" if doc.canary else "")
 
 
 async def cmd_model(store: ConfigStore, a: argparse.Namespace, out: Output) -> int:

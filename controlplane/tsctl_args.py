@@ -97,10 +97,24 @@ def build_parser(*, default_endpoints: str, default_actor: str,
     p.add_argument("weights", nargs="+", metavar="VERSION=WEIGHT")
     p.add_argument("--sticky", action=argparse.BooleanOptionalAction, default=None,
                    help="keep a tenant/session on one version")
-    p = leaf(r, "canary", "give VERSION PERCENT%% of traffic; the others share the rest")
+    p = leaf(r, "canary", "give VERSION PERCENT%% of traffic; the others share the rest;"
+                          " with a limit, gateways roll it back when it breaks it")
     p.add_argument("model")
     p.add_argument("version")
     p.add_argument("percent", type=int)
+    p.add_argument("--max-error-rate", type=float, metavar="R",
+                   help="roll back when the canary's error rate passes R (0-1) and the stable's")
+    p.add_argument("--max-ttft-p99", type=float, metavar="S",
+                   help="roll back when the canary's TTFT p99 passes S seconds and the stable's")
+    p.add_argument("--window", type=float, metavar="S",
+                   help=f"seconds the gateways compare over (default "
+                        f"{schema.CanaryGuard.window_seconds:g})")
+    p.add_argument("--min-requests", type=int, metavar="N",
+                   help=f"canary requests needed in the window before judging (default "
+                        f"{schema.CanaryGuard.min_requests})")
+    p = leaf(r, "promote", "complete a rollout: VERSION gets 100%%, the guard is cleared")
+    p.add_argument("model")
+    p.add_argument("version")
     leaf(r, "rollback", "undo the route's last change").add_argument("model")
     leaf(r, "show", "show routes").add_argument("model", nargs="?")
 

@@ -1,8 +1,9 @@
 """Gateway settings, validated on construction (main.py is the only place that reads flags)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.gateway.health import EjectionPolicy
 from tokenserve.models import DEFAULT_MODEL_NAME
 from tokenserve.runtime.config import check_endpoint, check_ports
 
@@ -59,6 +60,13 @@ class GatewayConfig:
     request_timeout_seconds: float = 30.0
     # Engines tried per request when they answer UNAVAILABLE before the first token.
     max_engine_attempts: int = 3
+    # When a failing engine replica leaves routing and for how long (health.py).
+    ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
+    # Send a tenant's repeated prompt prefix to the replica that served it (affinity.py).
+    # On: a repeated prefix (a chat's earlier turns, a system prompt) is prefilled once per
+    # replica instead of once per replica it happens to land on, and the load guard keeps a
+    # hot prefix from piling onto one replica; with one replica per version it changes nothing.
+    prefix_affinity: bool = True
     # Usage sender: events per RecordUsage call, and the longest wait between retries.
     spool_batch_size: int = 500
     spool_max_backoff_seconds: float = 30.0

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway.validation import InferenceRequest
 from tokenserve import sampling
@@ -112,6 +113,8 @@ class EngineChunk:
     cached_tokens: int = 0
     energy_joules: float = 0.0
     energy_estimated: bool = False
+    # The engine's own time to first token (from its arrival); 0 when it reports none.
+    engine_ttft_s: float = 0.0
 
 
 class EngineRefused(Exception):
@@ -122,6 +125,18 @@ class EngineRefused(Exception):
         super().__init__(error.message)
         self.error = error
         self.retryable = retryable
+
+
+class EngineFailed(Exception):
+    """The engine call failed after the engine took it. `error` is what the caller gets;
+    `code` the engine's own status name (INTERNAL reaches the caller as UNAVAILABLE, but only
+    a real UNAVAILABLE says the replica is unreachable or down)."""
+
+    def __init__(self, error: ServiceError, code: str, *, before_first_token: bool):
+        super().__init__(error.message)
+        self.error = error
+        self.code = code
+        self.before_first_token = before_first_token
 
 
 # Codes an engine answers with before any compute: it was not reached, was full, or refused
@@ -148,7 +163,8 @@ def _chunk(resp: engine_pb2.GenerateResponse) -> EngineChunk:
                        for lp in resp.logprobs),
         finish_reason=_FINISH_FROM_PB.get(resp.finish_reason),
         cached_tokens=resp.usage.cached_tokens, energy_joules=resp.energy_joules,
-        energy_estimated=resp.energy_estimated)
+        energy_estimated=resp.energy_estimated,
+        engine_ttft_s=resp.timings.time_to_first_token_seconds)
 
 
 class EngineClient:
@@ -156,7 +172,8 @@ class EngineClient:
     cancel, deadline) cancels the call, which frees the request's KV blocks on the engine.
 
     Errors: `EngineRefused` when the engine did no work (before the first message);
-    otherwise the engine's status as a ServiceError naming the engine."""
+    otherwise `EngineFailed` holding the engine's status as a ServiceError naming the
+    engine."""
 
     def __init__(self, channels: Channels):
         self._channels = channels
@@ -177,9 +194,19 @@ class EngineClient:
             code = e.code() if hasattr(e, "code") else None
             if first and code in _NO_WORK:
                 raise EngineRefused(error, retryable=_NO_WORK[code]) from None
-            raise error from None
+            raise EngineFailed(error, code.name if code else "UNKNOWN",
+                               before_first_token=first) from None
         finally:
             call.cancel()
+
+    async def serving(self, endpoint: str, timeout: float) -> bool:
+        """grpc.health.v1 Check of the whole server: True only for SERVING."""
+        stub = health_pb2_grpc.HealthStub(self._channels.get(endpoint))
+        try:
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
 class MeterClient:

@@ -17,6 +17,7 @@ import asyncio
 import json
 import socket
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import structlog
@@ -36,7 +37,7 @@ from services.gateway.openai_format import (DONE, Reply, chat_logprobs, completi
                                             service_error, sse)
 from services.gateway.openai_schema import (ChatCompletionRequest, CompletionRequest,
                                             chat_request, completion_request, openapi_document)
-from services.gateway.validation import InferenceRequest, validate
+from services.gateway.validation import SESSION_HEADER, InferenceRequest, validate
 from tokenserve.runtime.errors import ServiceError
 
 log = structlog.get_logger(component="http")
@@ -226,9 +227,10 @@ class HttpFront:
             except ValidationError as e:
                 metrics.REQUESTS.labels(method, tier, "INVALID_ARGUMENT").inc()
                 return _bad_body(e)
-            req = validate(convert(body, default_max_tokens=caller.max_tokens,
-                                   request_id=request.headers.get("x-request-id", "")),
-                           tier_cap=caller.max_tokens, tier=caller.tier)
+            req = replace(convert(body, default_max_tokens=caller.max_tokens,
+                                  request_id=request.headers.get("x-request-id", "")),
+                          session_id=request.headers.get(SESSION_HEADER, ""))
+            req = validate(req, tier_cap=caller.max_tokens, tier=caller.tier)
             name = self._pipeline.router.resolve_model(self._pipeline.snapshot, req.model)
         except ServiceError as e:
             metrics.REQUESTS.labels(method, tier, e.code.name).inc()

@@ -26,12 +26,15 @@ from controlplane.snapshot import ConfigSnapshot
 from services.gateway import metrics
 from services.gateway.admission import Quota, check_fits
 from services.gateway.auth import Caller
-from services.gateway.downstream import (EngineChunk, EngineClient, EngineRefused,
+from services.gateway.canary import CanaryGuardian
+from services.gateway.downstream import (EngineChunk, EngineClient, EngineFailed, EngineRefused,
                                          FinishReason, TokenizerClient, TokenLogprob)
+from services.gateway.health import Failure
 from services.gateway.quota_store import QuotaStore
-from services.gateway.routing import Router
+from services.gateway.routing import Router, Target
 from services.gateway.tokenizers import Tokenizers
 from services.gateway.validation import InferenceRequest, check_context
+from services.gateway.version_stats import VersionStats, counts_as_error
 from tokenserve.runtime.errors import (DeadlineExceeded, ResourceExhausted, ServiceError,
                                        Unavailable)
 from tokenserve.spool import SpoolSender, UsageSpool
@@ -106,11 +109,22 @@ class _Progress:
         return self.prompt_tokens + self.completion_tokens if self.engine_called else 0
 
 
+@dataclass
+class _Attempt:
+    """One engine call of a request; its outcome feeds replica health and version stats."""
+
+    target: Target
+    started: float
+    first_token_at: float | None = None
+    ended: bool = False
+
+
 class Pipeline:
     def __init__(self, config: ConfigSource, router: Router,
                  tokenizer: TokenizerClient | Tokenizers,
                  engines: EngineClient, quotas: QuotaStore, spool: UsageSpool,
-                 sender: SpoolSender | None, *, max_engine_attempts: int = 3):
+                 sender: SpoolSender | None, *, max_engine_attempts: int = 3,
+                 stats: VersionStats | None = None, guardian: CanaryGuardian | None = None):
         self._config = config
         self.router = router
         self.tokenizer = tokenizer
@@ -119,6 +133,8 @@ class Pipeline:
         self._spool = spool
         self._sender = sender
         self._max_attempts = max_engine_attempts
+        self.stats = stats
+        self._guardian = guardian
 
     @property
     def snapshot(self) -> ConfigSnapshot:
@@ -184,29 +200,35 @@ class Pipeline:
         cost = len(prompt_ids) + req.max_tokens
         failed: set[str] = set()
         refusal: ServiceError | None = None
-        for attempt in range(self._max_attempts):
+        # arrival -> the first engine call (tokenizer, admission): part of every attempt's TTFT
+        prepared = time.monotonic() - arrived
+        for attempt_no in range(self._max_attempts):
             try:
                 target = self.router.choose(snap, progress.model, tenant_id=caller.tenant_id,
+                                            session_id=req.session_id, prompt_ids=prompt_ids,
                                             exclude=frozenset(failed))
             except Unavailable:
                 if refusal is not None:  # every replica refused: say why the last one did
                     raise refusal from None
                 raise
+            timeout = left()
             self.router.acquire(target.endpoint, cost)
             progress.version = target.version
             progress.engine_called = True
-            first = True
+            attempt = _Attempt(target, time.monotonic())
             try:
                 async with aclosing(self._engines.generate(
                         target.endpoint, req, prompt_ids, priority=caller.priority,
-                        tenant_id=caller.tenant_id, timeout=left())) as chunks:
+                        tenant_id=caller.tenant_id, timeout=timeout)) as chunks:
                     async for engine_chunk in chunks:
                         chunk = self._chunk(progress, target.version, engine_chunk)
-                        if first:
-                            first = False
+                        if attempt.first_token_at is None:
+                            attempt.first_token_at = time.monotonic()
                             metrics.TIME_TO_FIRST_TOKEN.labels(caller.tier).observe(
-                                time.monotonic() - arrived)
+                                attempt.first_token_at - arrived)
                         if chunk.finish_reason is not None:
+                            self._ended(progress, attempt, "OK", prepared,
+                                        engine_chunk.engine_ttft_s)
                             # Durable before the caller learns the request is complete.
                             await self._spool_usage(
                                 progress, _FINISH_STATUS.get(chunk.finish_reason, "OK"))
@@ -219,18 +241,52 @@ class Pipeline:
             except EngineRefused as e:
                 # The engine took no work (not reached, full, or refused the input): not billed.
                 progress.engine_called = False
+                self._ended(progress, attempt, e.error.code.name, prepared)
                 if not e.retryable:
                     raise e.error from None
                 refusal = e.error
                 failed.add(target.endpoint)
-                if attempt + 1 < self._max_attempts:
+                if attempt_no + 1 < self._max_attempts:
                     metrics.ENGINE_RETRIES.inc()
                     log.warning("engine_refused_retrying", request_id=req.request_id,
-                                endpoint=target.endpoint, attempt=attempt + 1,
+                                endpoint=target.endpoint, attempt=attempt_no + 1,
                                 code=e.error.code.name)
+            except EngineFailed as e:
+                self._ended(progress, attempt, e.code, prepared)
+                raise e.error from None
+            except ServiceError as e:
+                self._ended(progress, attempt, e.code.name, prepared)
+                raise
             finally:
                 self.router.release(target.endpoint, cost)
         raise refusal or Unavailable(f"no engine for model {progress.model!r} answered")
+
+    def _ended(self, progress: _Progress, attempt: _Attempt, code: str, prepared: float,
+               engine_ttft: float = 0.0) -> None:
+        """An attempt's outcome (the engine's status name) to replica health, the version's
+        window and its canary guard. Callers that went away report nothing."""
+        if attempt.ended:
+            return
+        attempt.ended = True
+        endpoint, version = attempt.target.endpoint, attempt.target.version
+        health = self.router.health
+        if health is not None:
+            if code == "OK":
+                health.on_success(endpoint)
+            elif code == "UNAVAILABLE":
+                health.on_failure(endpoint, Failure.UNAVAILABLE)
+            elif code == "DEADLINE_EXCEEDED" and attempt.first_token_at is None:
+                health.on_failure(endpoint, Failure.DEADLINE)
+        error = counts_as_error(code)
+        if self.stats is None or error is None:
+            return
+        ttft = added = None
+        if not error and attempt.first_token_at is not None:
+            ttft = prepared + attempt.first_token_at - attempt.started
+            added = max(0.0, ttft - engine_ttft) if engine_ttft > 0 else None
+        self.stats.record(progress.model, version, ok=not error, ttft_s=ttft, added_s=added)
+        if self._guardian is not None:
+            self._guardian.observe(self.snapshot, progress.model)
 
     @staticmethod
     def _chunk(progress: _Progress, version: str, resp: EngineChunk) -> Chunk:

@@ -6,26 +6,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 import structlog
 
+from controlplane import admin
 from controlplane.registry import register_with_retry
-from controlplane.schema import GatewayRegistration
+from controlplane.schema import MAX_CANARY_WINDOW_SECONDS, GatewayRegistration
 from controlplane.snapshot import ConfigSnapshot
+from controlplane.store import ConfigStore
 from controlplane.watcher import ConfigWatcher
 from services.gateway import metrics
+from services.gateway.affinity import PrefixAffinity
+from services.gateway.canary import CanaryGuardian
 from services.gateway.config import TOKENIZE_MODES, GatewayConfig, StaticEngine
 from services.gateway.downstream import Channels, EngineClient, MeterClient, TokenizerClient
+from services.gateway.health import EjectionPolicy, ReplicaHealth
 from services.gateway.http import HttpFront
 from services.gateway.inference import ConfigSource, Pipeline
+from services.gateway.prober import Prober
 from services.gateway.quota_store import (MemoryQuotaStore, NoQuotaStore, QuotaStore,
                                           RedisQuotaStore)
 from services.gateway.routing import Router
 from services.gateway.servicer import InferenceServicer
 from services.gateway.tokenizers import Tokenizers
+from services.gateway.version_stats import VersionStats
 
 from tokenserve.gateway.v1 import gateway_pb2_grpc
 from tokenserve.runtime.channels import aio_channel
@@ -72,6 +81,17 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--quota-fail", choices=("closed", "open"), default="closed",
                    help="with Redis unreachable: refuse requests (closed) or admit against this"
                         " gateway's share of each limit (open)")
+    p.add_argument("--prefix-affinity", action=argparse.BooleanOptionalAction,
+                   default=GatewayConfig.prefix_affinity,
+                   help="send a tenant's repeated prompt prefix to the engine replica that"
+                        " served it, unless that replica is much busier")
+    ej = EjectionPolicy()
+    p.add_argument("--eject-after", type=int, default=ej.failures, metavar="N",
+                   help="UNAVAILABLE calls in a row that take an engine replica out of routing")
+    p.add_argument("--eject-backoff", type=float, default=ej.backoff_seconds, metavar="S",
+                   help="seconds out after the first ejection; doubles per ejection in a row")
+    p.add_argument("--eject-backoff-max", type=float, default=ej.max_backoff_seconds,
+                   metavar="S", help="the longest time out of routing before a health probe")
     p.add_argument("--gateway-id", default="", help="registration id in etcd (default: host-port)")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
@@ -86,6 +106,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             spool_durability=a.spool_durability, default_model=a.default_model,
             request_timeout_seconds=a.request_timeout, quota_store=a.quota_store,
             quota_fail=a.quota_fail, gateway_id=a.gateway_id,
+            prefix_affinity=a.prefix_affinity,
+            ejection=EjectionPolicy(failures=a.eject_after, deadlines=ej.deadlines,
+                                    backoff_seconds=a.eject_backoff,
+                                    max_backoff_seconds=a.eject_backoff_max),
             log_level=a.log_level)
     except ValueError as e:
         p.error(str(e))
@@ -101,14 +125,22 @@ def quota_store(config: GatewayConfig, source: ConfigSource) -> QuotaStore:
                            live_gateways=lambda: len(source.snapshot.gateways))
 
 
+def router_for(config: GatewayConfig) -> Router:
+    """The router with replica health (ejection) and, when on, prefix affinity."""
+    health = ReplicaHealth(config.ejection)
+    metrics.REPLICAS_EJECTED.set_function(lambda: len(health.ejected()))
+    return Router(config.engines, config.default_model, health=health,
+                  affinity=PrefixAffinity() if config.prefix_affinity else None)
+
+
 def build(config: GatewayConfig, source: ConfigSource, router: Router, *,
           watch: Callable[[Callable[[ConfigSnapshot], None]], object] | None = None,
-          ) -> tuple[GrpcServer, SpoolSender, HttpFront | None]:
-    """The gRPC server, its usage sender and the HTTP front (None when off), wired to `source`
-    (a started ConfigWatcher, or any holder of a snapshot), `router` and one pipeline. `watch`
-    subscribes a callback to config changes (ConfigWatcher.on_change). Start the sender and
-    the HTTP front once the loop runs; stopping the server stops the HTTP front first, then
-    flushes the sender."""
+          ) -> tuple[GrpcServer, list[Callable[[], None]], HttpFront | None]:
+    """The gRPC server, what to start once the loop runs (the usage sender, the replica
+    prober) and the HTTP front (None when off), wired to `source` (a started ConfigWatcher,
+    or any holder of a snapshot), `router` (router_for) and one pipeline. `watch` subscribes a
+    callback to config changes (ConfigWatcher.on_change). Stopping the server stops the HTTP
+    front first, then flushes the sender."""
     spool = UsageSpool(config.spool_path, config.spool_durability)
     metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
     meter_channel, tokenizer_channel = aio_channel(config.meter), aio_channel(config.tokenizer)
@@ -119,6 +151,7 @@ def build(config: GatewayConfig, source: ConfigSource, router: Router, *,
                          on_sent=lambda n: (metrics.USAGE_EVENTS_SENT.inc(n),
                                             metrics.USAGE_EVENTS_SPOOLED.dec(n)))
     channels = Channels()
+    engines = EngineClient(channels)
     quotas = quota_store(config, source)
     # Tokenizer loads and long prompts run here, off the event loop.
     tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
@@ -127,14 +160,25 @@ def build(config: GatewayConfig, source: ConfigSource, router: Router, *,
     tokenizers.apply(source.snapshot)
     if watch is not None:
         watch(tokenizers.apply)
-    pipeline = Pipeline(source, router, tokenizers,
-                        EngineClient(channels), quotas, spool, sender,
-                        max_engine_attempts=config.max_engine_attempts)
+    prober = Prober(router.health, engines.serving)
+    router.health.subscribe(prober.on_eject)
+    # Canary rollbacks: this gateway's own writes to the control plane, audited under its id.
+    store = ConfigStore(list(config.etcd_endpoints))
+    actor = f"gateway:{config.gateway_id or f'{socket.gethostname()}-{os.getpid()}'}"
+    stats = VersionStats(retain_seconds=MAX_CANARY_WINDOW_SECONDS)
+    guardian = CanaryGuardian(stats, lambda model, version, reason: admin.roll_back_canary(
+        store, model, version, reason, actor=actor))
+    pipeline = Pipeline(source, router, tokenizers, engines, quotas, spool, sender,
+                        max_engine_attempts=config.max_engine_attempts,
+                        stats=stats, guardian=guardian)
 
     async def close_all():
         await sender.stop()
+        await prober.stop()
+        await guardian.close()
         spool.close()
         await quotas.close()
+        await store.close()
         await channels.close()
         await meter_channel.close()
         await tokenizer_channel.close()
@@ -151,7 +195,7 @@ def build(config: GatewayConfig, source: ConfigSource, router: Router, *,
         [Registration(SERVICE_NAME, gateway_pb2_grpc.add_InferenceServiceServicer_to_server,
                       InferenceServicer(pipeline, config.request_timeout_seconds, meter))],
         options, on_stop=([http.stop] if http else []) + [close_all])
-    return server, sender, http
+    return server, [sender.start, prober.start], http
 
 
 async def _register_when_possible(config: GatewayConfig, port: int):
@@ -166,15 +210,16 @@ async def serve(config: GatewayConfig):
     watcher = ConfigWatcher(list(config.etcd_endpoints), snapshot_path=Path(config.snapshot_path),
                             service="gateway")
     await watcher.start()
-    router = Router(config.engines, config.default_model)
+    router = router_for(config)
     # At start (the first snapshot holds the engines registered so far), then on every change.
     router.log_context_mismatches(watcher.snapshot)
     watcher.on_change(router.log_context_mismatches)
-    server, sender, http = build(config, watcher, router, watch=watcher.on_change)
+    server, background, http = build(config, watcher, router, watch=watcher.on_change)
     if http is not None:
         await http.start()  # listening before health says SERVING
     port = await server.start()
-    sender.start()
+    for start in background:
+        start()
     registering = asyncio.create_task(_register_when_possible(config, port))
 
     async def unregister():

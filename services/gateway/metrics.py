@@ -33,3 +33,11 @@ QUOTA_FALLBACK_ADMISSIONS = Counter(
 QUOTA_SETTLE_FAILURES = Counter(
     "tokenserve_gateway_quota_settle_failures_total",
     "Settlements the quota store missed (the unused tokens of those requests stay spent)")
+REPLICA_EJECTIONS = Counter(
+    "tokenserve_gateway_engine_ejections_total",
+    "Times an engine replica was taken out of routing (failures, deadlines, health checks)")
+REPLICAS_EJECTED = Gauge("tokenserve_gateway_engines_ejected",
+                         "Engine replicas out of routing right now")
+CANARY_ROLLBACKS = Counter("tokenserve_gateway_canary_rollbacks_total",
+                           "Guarded canaries this gateway rolled back, by model and version",
+                           ["model", "version"])

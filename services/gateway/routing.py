@@ -1,20 +1,30 @@
-"""Model -> version (route weights) -> engine replica (fewest outstanding tokens).
+"""Model -> version (route weights, stickiness) -> engine replica (load, health, affinity).
 
 Engines come from two places: registrations in the config snapshot (engines that announced
 themselves in etcd under a lease) and `--engine model=version=host:port` flags. A model is
 known when it has a route, a model spec, or an engine.
+
+Version: by route weight among versions with a routable engine. A request with a session key
+(`x-session-id`) always lands on the same version while the weights stay the same; with
+`Route.sticky` a tenant does. Replica: the lowest `score` among the version's replicas that
+are in routing (health.ReplicaHealth); when every replica of the model is ejected, all are
+tried (an ejection must not turn one slow replica into a refused model). With prefix
+affinity, the replica that served the prompt's longest known prefix wins unless it is much
+busier (affinity.AffinityPolicy.keeps).
 """
 from __future__ import annotations
 
 import hashlib
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Protocol, Sequence
 
 import structlog
 
 from controlplane.snapshot import ConfigSnapshot
+from services.gateway.affinity import PrefixAffinity
 from services.gateway.config import StaticEngine
+from services.gateway.health import ReplicaHealth
 from tokenserve.runtime.errors import NotFound, Unavailable
 
 # Lazy: resolved at first use, after configure_logging (JSON lines).
@@ -36,12 +46,43 @@ class ModelInfo:
     max_context: int
 
 
+class ReplicaLoad(Protocol):
+    """What an engine last reported about its load (gateway load board)."""
+
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+# KV use counted at most this full, so one report cannot make a replica's score infinite.
+KV_USE_CAP = 0.95
+
+
+def load_factor(load: ReplicaLoad | None) -> float:
+    """How much busier than its outstanding tokens alone a replica is: (1 + waiting) /
+    (1 - kv_used/kv_total). A request queued there waits behind every waiting one, and a
+    nearly full KV cache means preemption; 1.0 when nothing is known."""
+    if load is None:
+        return 1.0
+    factor = 1.0 + max(0, load.waiting)
+    if load.kv_blocks_total > 0:
+        used = min(max(load.kv_blocks_used / load.kv_blocks_total, 0.0), KV_USE_CAP)
+        factor /= 1.0 - used
+    return factor
+
+
 class Router:
     def __init__(self, static_engines: Sequence[StaticEngine], default_model: str,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, *,
+                 load_of: Callable[[str], ReplicaLoad | None] | None = None,
+                 health: ReplicaHealth | None = None,
+                 affinity: PrefixAffinity | None = None):
         self._static = tuple(static_engines)
         self._default_model = default_model
         self._rng = rng or random.Random()
+        self._load_of = load_of
+        self.health = health
+        self.affinity = affinity
         # endpoint -> prompt + max_tokens of requests in flight there.
         self._outstanding: dict[str, int] = {}
         # (engine id, version, engine's limit, etcd's) of each mismatch already logged.
@@ -130,12 +171,18 @@ class Router:
             raise Unavailable(f"no engine is serving model {model!r} right now; retry later")
 
     def choose(self, snap: ConfigSnapshot, model: str, *, tenant_id: str = "",
+               session_id: str = "", prompt_ids: Sequence[int] = (),
                exclude: frozenset[str] = frozenset()) -> Target:
-        """A version by route weight among versions with a live engine, then its least
-        loaded engine. `exclude`: endpoints that already failed this request."""
+        """A version by route weight among versions with a routable engine, then its best
+        replica. `exclude`: endpoints that already failed this request."""
         engines = {v: [ep for ep in eps if ep not in exclude]
                    for v, eps in self._engines(snap, model).items()}
         engines = {v: eps for v, eps in engines.items() if eps}
+        if self.health is not None:
+            routable = {v: [ep for ep in eps if self.health.routable(ep)]
+                        for v, eps in engines.items()}
+            routable = {v: eps for v, eps in routable.items() if eps}
+            engines = routable or engines  # every replica out: try them all anyway
         route = snap.routes.get(model)
         if route is not None:
             weights = {v: w for v, w in route.versions.items() if w > 0 and v in engines}
@@ -143,10 +190,27 @@ class Router:
             weights = {v: 1 for v in engines}
         if not weights:
             raise Unavailable(f"no engine is serving model {model!r} right now; retry later")
-        sticky_key = f"{tenant_id}/{model}" if route is not None and route.sticky else None
+        if session_id:
+            sticky_key = f"session/{tenant_id}/{session_id}/{model}"
+        elif route is not None and route.sticky:
+            sticky_key = f"{tenant_id}/{model}"
+        else:
+            sticky_key = None
         version = self._pick_version(weights, sticky_key)
-        endpoint = min(engines[version], key=lambda ep: (self._outstanding.get(ep, 0), ep))
-        return Target(model, version, endpoint)
+        return Target(model, version, self._pick_replica(
+            engines[version], f"{tenant_id}/{model}/{version}", prompt_ids))
+
+    def _pick_replica(self, endpoints: list[str], scope: str, prompt_ids: Sequence[int]) -> str:
+        scores = {ep: self.score(ep) for ep in endpoints}
+        best = min(endpoints, key=lambda ep: (scores[ep], ep))
+        if self.affinity is None or not prompt_ids:
+            return best
+        keys = self.affinity.keys(scope, prompt_ids)
+        match = self.affinity.match(keys, scores)
+        if match is not None and self.affinity.policy.keeps(scores[match.endpoint], scores[best]):
+            best = match.endpoint
+        self.affinity.remember(keys, best)
+        return best
 
     def _pick_version(self, weights: dict[str, int], sticky_key: str | None) -> str:
         versions = sorted(weights)
@@ -175,3 +239,9 @@ class Router:
 
     def outstanding(self, endpoint: str) -> int:
         return self._outstanding.get(endpoint, 0)
+
+    def score(self, endpoint: str) -> float:
+        """Lower is less loaded: (outstanding tokens + 1) x load_factor(the engine's report).
+        The + 1 lets the engine's report order replicas this gateway sends nothing to."""
+        load = self._load_of(endpoint) if self._load_of is not None else None
+        return (self._outstanding.get(endpoint, 0) + 1) * load_factor(load)

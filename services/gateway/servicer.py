@@ -10,8 +10,8 @@ from services.gateway.auth import Caller, authenticate
 from services.gateway.downstream import FINISH_TO_PB, MeterClient, TokenLogprob
 from services.gateway.inference import Chunk, Pipeline
 from services.gateway.usage import tenant_usage_query
-from services.gateway.validation import (InferenceRequest, Message, check_messages,
-                                         check_prompt, validate)
+from services.gateway.validation import (SESSION_HEADER, InferenceRequest, Message,
+                                         check_messages, check_prompt, validate)
 from tokenserve import sampling
 from tokenserve.common.v1 import common_pb2
 from tokenserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -36,14 +36,15 @@ def _messages(pb_messages) -> tuple[Message, ...]:
     return tuple(Message(role=m.role, content=m.content) for m in pb_messages)
 
 
-def request_from_pb(request, *, chat: bool) -> InferenceRequest:
+def request_from_pb(request, *, chat: bool, session_id: str = "") -> InferenceRequest:
     return InferenceRequest(
         model=request.model, max_tokens=request.max_tokens,
         prompt=None if chat else request.prompt,
         messages=_messages(request.messages) if chat else None,
         sampling=_sampling(request), stop=tuple(request.stop), request_id=request.request_id,
         app=request.app, logprobs=request.logprobs, top_logprobs=request.top_logprobs,
-        speculation=request.speculation if request.HasField("speculation") else None)
+        speculation=request.speculation if request.HasField("speculation") else None,
+        session_id=session_id)
 
 
 def _logprob_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
@@ -84,8 +85,9 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
         try:
             caller = self._caller(context)
             tier = caller.tier
-            req = validate(request_from_pb(request, chat=chat), tier_cap=caller.max_tokens,
-                           tier=caller.tier)
+            session = dict(context.invocation_metadata() or ()).get(SESSION_HEADER, "")
+            req = validate(request_from_pb(request, chat=chat, session_id=session),
+                           tier_cap=caller.max_tokens, tier=caller.tier)
             first = True
             async with aclosing(self._pipeline.stream(caller, req, self._timeout(context))) as s:
                 async for chunk in s:

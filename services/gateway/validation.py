@@ -18,6 +18,10 @@ MAX_MESSAGES = 1000
 MAX_APP_CHARS = 64
 CHAT_ROLES = ("system", "user", "assistant")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# `x-session-id`: gRPC metadata or an HTTP header, the same on both adapters.
+SESSION_HEADER = "x-session-id"
+MAX_SESSION_ID_CHARS = 128
+_SESSION_ID_RE = re.compile(r"^[\x21-\x7e]{1,%d}$" % MAX_SESSION_ID_CHARS)
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class InferenceRequest:
     top_logprobs: int = 0
     # Speculative decoding; None: the engine's setting.
     speculation: bool | None = None
+    # The caller's conversation (`x-session-id`): one session stays on one model version.
+    session_id: str = ""
 
 
 def check_max_tokens(max_tokens: int, tier_cap: int, tier: str) -> None:
@@ -110,6 +116,9 @@ def validate(req: InferenceRequest, *, tier_cap: int, tier: str) -> InferenceReq
     if req.request_id and not _REQUEST_ID_RE.match(req.request_id):
         raise InvalidArgument(
             "request_id must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
+    if req.session_id and not _SESSION_ID_RE.match(req.session_id):
+        raise InvalidArgument(f"{SESSION_HEADER} must be 1-{MAX_SESSION_ID_CHARS} printable"
+                              " ASCII characters without spaces")
     return req if req.request_id else replace(req, request_id=uuid.uuid4().hex)
 
 

@@ -4,7 +4,9 @@ protos; the text they produce is meaningless. Tests of real generation use the r
 
 Fake tokenizer: one token per whitespace-separated word; a chat costs its words plus 2 per
 message plus 1 for the generation prompt. Fake engine: emits max_tokens tokens ("w0 w1 ..."),
-`delay` seconds apart, noticing a cancelled call between tokens.
+`delay` seconds apart, noticing a cancelled call between tokens; `fail_with` refuses every
+call, or with `fail_every=n` every n-th one. Every fake server serves grpc.health.v1
+(`set_serving`).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tokenserve.common.v1 import common_pb2
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -46,17 +49,21 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
 class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, version: str = "v1", delay: float = 0.0,
-                 fail_with: grpc.StatusCode | None = None):
+                 fail_with: grpc.StatusCode | None = None, fail_every: int = 0):
         self.version = version
         self.delay = delay
         self.fail_with = fail_with
+        self.fail_every = fail_every
         self.requests: list[engine_pb2.GenerateRequest] = []
+        self._lock = threading.Lock()
         self.cancelled: list[str] = []
         self.cancel_seen = threading.Event()
 
     def Generate(self, request, context):
-        self.requests.append(request)
-        if self.fail_with is not None:
+        with self._lock:
+            self.requests.append(request)
+            n = len(self.requests)
+        if self.fail_with is not None and (not self.fail_every or n % self.fail_every == 0):
             context.abort(self.fail_with, f"fake engine refuses: {self.fail_with.name}")
         if request.prompt_token_ids and request.prompt_token_ids[0] == -1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[0] must be >= 0")
@@ -87,6 +94,9 @@ class FakeServer:
     def __init__(self, servicer, add_fn):
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         add_fn(servicer, self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.set_serving(True)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.servicer = servicer
         self.server.start()
@@ -94,6 +104,10 @@ class FakeServer:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def set_serving(self, serving: bool) -> None:
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING if serving
+                        else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def stop(self):
         self.server.stop(0).wait()

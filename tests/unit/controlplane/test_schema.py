@@ -100,3 +100,34 @@ def test_parse_round_trip_and_errors():
         parse("tiers/free", b"{nope")
     with pytest.raises(InvalidArgument, match=r"engines/e1: endpoint must be host:port"):
         parse("engines/e1", b'{"endpoint": "nohost", "model": "m", "version": "v", "capacity": 1}')
+
+
+def test_a_route_without_a_canary_guard_encodes_as_before():
+    old = b'{"model":"m","sticky":false,"versions":{"a":90,"b":10}}'
+    route = parse("routes/m", old)
+    assert route.canary is None
+    assert schema.encode(route) == old  # services that predate the guard can still read it
+
+
+def test_canary_guard_round_trip_and_rules():
+    guard = schema.CanaryGuard("b", "a", max_error_rate=0.1, window_seconds=30, min_requests=5)
+    route = Route("m", {"a": 90, "b": 10}, canary=guard)
+    assert parse(route.key, schema.encode(route)) == route
+    assert schema.to_dict(route)["canary"]["max_ttft_p99_seconds"] is None
+    assert guard.describe() == "b: error rate <= 0.1 over 30s (min 5 requests), else back to a"
+
+    def bad(match, **kw):
+        args = dict(version="b", stable="a", max_error_rate=0.1)
+        with pytest.raises(InvalidArgument, match=match):
+            Route("m", {"a": 90, "b": 10}, canary=schema.CanaryGuard(**{**args, **kw}))
+
+    bad("give max_error_rate, max_ttft_p99_seconds or both", max_error_rate=None)
+    bad(r"canary.max_error_rate must be < 1, got 1.5", max_error_rate=1.5)
+    bad(r"canary.max_ttft_p99_seconds must be > 0", max_ttft_p99_seconds=0)
+    bad(r"canary.stable must differ", stable="b")
+    bad(r"canary.stable 'c' is not one of the versions \(a, b\)", stable="c")
+    bad(r"canary.window_seconds must be <= 600", window_seconds=3600)
+    bad(r"canary.min_requests must be >= 1", min_requests=0)
+    with pytest.raises(InvalidArgument, match=r"routes/m: unknown field 'colour'"):
+        parse("routes/m", json.dumps({"model": "m", "versions": {"a": 1, "b": 1}, "canary": {
+            "version": "b", "stable": "a", "max_error_rate": 0.1, "colour": "red"}}))
