@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import structlog
@@ -16,8 +17,10 @@ from controlplane.watcher import ConfigWatcher
 from services.gateway import metrics
 from services.gateway.config import GatewayConfig, StaticEngine
 from services.gateway.downstream import Channels, EngineClient, MeterClient, TokenizerClient
+from services.gateway.governor import Governor
 from services.gateway.http import HttpFront
 from services.gateway.inference import ConfigSource, Pipeline
+from services.gateway.load import LoadBoard, LoadSubscriptions
 from services.gateway.quota_store import (MemoryQuotaStore, NoQuotaStore, QuotaStore,
                                           RedisQuotaStore)
 from services.gateway.routing import Router
@@ -94,11 +97,11 @@ def quota_store(config: GatewayConfig, source: ConfigSource) -> QuotaStore:
 
 
 def build(config: GatewayConfig,
-          source: ConfigSource) -> tuple[GrpcServer, SpoolSender, HttpFront | None]:
-    """The gRPC server, its usage sender and the HTTP front (None when off), wired to `source`
-    (a started ConfigWatcher, or any holder of a snapshot) and one pipeline. Start the sender
-    and the HTTP front once the loop runs; stopping the server stops the HTTP front first,
-    then flushes the sender."""
+          source: ConfigSource) -> tuple[GrpcServer, SpoolSender, HttpFront | None, Governor]:
+    """The gRPC server, its usage sender, the HTTP front (None when off) and the degradation
+    loop, wired to `source` (a started ConfigWatcher, or any holder of a snapshot) and one
+    pipeline. Start the sender, the HTTP front and the governor once the loop runs; stopping
+    the server stops the HTTP front first, then the governor, then flushes the sender."""
     spool = UsageSpool(config.spool_path, config.spool_durability)
     metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
     meter_channel, tokenizer_channel = aio_channel(config.meter), aio_channel(config.tokenizer)
@@ -109,12 +112,18 @@ def build(config: GatewayConfig,
                          on_sent=lambda n: (metrics.USAGE_EVENTS_SENT.inc(n),
                                             metrics.USAGE_EVENTS_SPOOLED.dec(n)))
     channels = Channels()
+    engines = EngineClient(channels)
     quotas = quota_store(config, source)
+    board = LoadBoard()
+    governor = Governor(lambda: source.snapshot, config.engines, board,
+                        LoadSubscriptions(board, engines.watch_load))
     pipeline = Pipeline(source, Router(config.engines, config.default_model),
-                        TokenizerClient(tokenizer_channel), EngineClient(channels), quotas,
-                        spool, sender, max_engine_attempts=config.max_engine_attempts)
+                        TokenizerClient(tokenizer_channel), engines, quotas,
+                        spool, sender, max_engine_attempts=config.max_engine_attempts,
+                        degradation=governor.decide)
 
     async def close_all():
+        await governor.stop()
         await sender.stop()
         spool.close()
         await quotas.close()
@@ -133,7 +142,7 @@ def build(config: GatewayConfig,
         [Registration(SERVICE_NAME, gateway_pb2_grpc.add_InferenceServiceServicer_to_server,
                       InferenceServicer(pipeline, config.request_timeout_seconds, meter))],
         options, on_stop=([http.stop] if http else []) + [close_all])
-    return server, sender, http
+    return server, sender, http, governor
 
 
 async def _register_when_possible(config: GatewayConfig, port: int):
@@ -143,19 +152,40 @@ async def _register_when_possible(config: GatewayConfig, port: int):
     return await register_with_retry(list(config.etcd_endpoints), "gateways", reg, ttl=5)
 
 
+async def _publish_level(governor: Governor, registering: asyncio.Task) -> None:
+    """Rewrites this gateway's registration with its degradation level when the level
+    changes (at most once a second), for `tsctl status`."""
+    handle = await registering
+    while True:
+        await governor.changed.wait()
+        governor.changed.clear()
+        state = governor.state
+        try:
+            await handle.update(dataclasses.replace(
+                handle.registration, degradation_level=state.level,
+                degradation_reason=state.reason))
+        except ServiceError as e:  # etcd down: the level is written once it is back
+            log.warning("degradation_level_publish_failed", error=e.message)
+            governor.changed.set()
+        await asyncio.sleep(1.0)
+
+
 async def serve(config: GatewayConfig):
     configure_logging("gateway", config.log_level)
     watcher = ConfigWatcher(list(config.etcd_endpoints), snapshot_path=Path(config.snapshot_path),
                             service="gateway")
     await watcher.start()
-    server, sender, http = build(config, watcher)
+    server, sender, http, governor = build(config, watcher)
     if http is not None:
         await http.start()  # listening before health says SERVING
     port = await server.start()
     sender.start()
+    governor.start()
     registering = asyncio.create_task(_register_when_possible(config, port))
+    publishing = asyncio.create_task(_publish_level(governor, registering))
 
     async def unregister():
+        publishing.cancel()
         # Bounded: a cancel that races a watch event can be lost inside the watcher
         # (asyncio.wait_for in 3.11); asyncio.run cancels whatever is left on exit.
         try:

@@ -33,3 +33,11 @@ QUOTA_FALLBACK_ADMISSIONS = Counter(
 QUOTA_SETTLE_FAILURES = Counter(
     "tokenserve_gateway_quota_settle_failures_total",
     "Settlements the quota store missed (the unused tokens of those requests stay spent)")
+DEGRADATION_LEVEL = Gauge(
+    "tokenserve_gateway_degradation_level",
+    "Degradation level now: 0 normal, 1 free tier max_tokens capped, 2 free shed, 3 standard"
+    " shed (as the degradation document's ladder says)")
+DEGRADATION_SIGNAL_RATIO = Gauge(
+    "tokenserve_gateway_degradation_signal_ratio",
+    "Each degradation signal over its threshold (1 = at the threshold: level 1; 1.5: 2; 2: 3)",
+    ["signal"])
