@@ -183,15 +183,19 @@ async def cmd_degrade(store: ConfigStore, a: argparse.Namespace, out: Output) ->
     else:
         cur = await store.require("degradation")
         budget = await store.get("power_budget")
+        priority = {v.document.name: v.document.priority for v in await store.list("tiers")}
         data = {**schema.to_dict(cur.document), "revision": cur.mod_revision,
                 "level_multiples": list(schema.DEGRADATION_LEVEL_MULTIPLES)}
         out.emit(data, text=render_fields({k: v for k, v in data.items() if k != "level_multiples"})
-                 + "\n\n" + degradation_levels(cur.document, budget.document if budget else None))
+                 + "\n\n" + degradation_levels(cur.document, budget.document if budget else None,
+                                               priority))
     return EXIT_OK
 
 
-def degradation_levels(d: schema.Degradation, budget: schema.PowerBudget | None) -> str:
-    """What each level means under `d`, as `tsctl degrade show` prints it."""
+def degradation_levels(d: schema.Degradation, budget: schema.PowerBudget | None,
+                       priority: dict[str, int]) -> str:
+    """What each level means under `d`, as `tsctl degrade show` prints it (tiers lowest
+    priority first)."""
     t = d.thresholds
     power = (f"{t.power_watts_vs_budget:g} x the {budget.watts:g} W budget" if budget
              else "off (no power budget: tsctl power set WATTS)")
@@ -201,7 +205,7 @@ def degradation_levels(d: schema.Degradation, budget: schema.PowerBudget | None)
              f"  kv_use_fraction   KV blocks used, all engines  {t.kv_use_fraction:g}",
              f"  power             engines' summed watts        {power}",
              "levels:"]
-    tiers = sorted(d.ladder)
+    tiers = sorted(d.ladder, key=lambda t: (priority.get(t, 0), t))
     for level, m in enumerate(schema.DEGRADATION_LEVEL_MULTIPLES, start=1):
         acts = []
         for tier in tiers:

@@ -4,7 +4,9 @@ protos; the text they produce is meaningless. Tests of real generation use the r
 
 Fake tokenizer: one token per whitespace-separated word; a chat costs its words plus 2 per
 message plus 1 for the generation prompt. Fake engine: emits max_tokens tokens ("w0 w1 ..."),
-`delay` seconds apart, noticing a cancelled call between tokens.
+`delay` seconds apart, noticing a cancelled call between tokens. Given `load` (a LoadReport),
+it streams that report from WatchLoad every 0.2 s (change `servicer.load` to report another
+load); without, WatchLoad is UNIMPLEMENTED, as on an engine that publishes no load.
 """
 from __future__ import annotations
 
@@ -46,8 +48,10 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
 class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, version: str = "v1", delay: float = 0.0,
-                 fail_with: grpc.StatusCode | None = None):
+                 fail_with: grpc.StatusCode | None = None,
+                 load: engine_pb2.LoadReport | None = None):
         self.version = version
+        self.load = load
         self.delay = delay
         self.fail_with = fail_with
         self.requests: list[engine_pb2.GenerateRequest] = []
@@ -76,6 +80,13 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                     completion_tokens=request.max_tokens, cached_tokens=1))
                 resp.energy_joules = 0.5
             yield resp
+
+    def WatchLoad(self, request, context):
+        if self.load is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this fake engine reports no load")
+        while context.is_active():
+            yield self.load
+            time.sleep(0.2)
 
     def GetInfo(self, request, context):
         return engine_pb2.GetInfoResponse(model=MODEL, version=self.version, max_context=64)
