@@ -94,11 +94,11 @@ Watch = Callable[[str], AsyncIterator[EngineLoad]]
 
 class LoadSubscriptions:
     """One task per engine endpoint, reading its load stream into the board; a broken or
-    silent stream is re-opened with backoff (0.25 s doubling to 5 s, jittered) while the
+    silent stream is re-opened with backoff (0.25 s doubling to 2 s, jittered) while the
     endpoint is still wanted."""
 
     def __init__(self, board: LoadBoard, watch: Watch, *, silence_timeout: float = 5.0,
-                 max_backoff: float = 5.0):
+                 max_backoff: float = 2.0):
         self.board = board
         self._watch = watch
         self._silence = silence_timeout
