@@ -100,21 +100,24 @@ async def set_tier(store: ConfigStore, name: str, values: Mapping[str, Any], *, 
 
 async def set_degradation(store: ConfigStore, *, thresholds: Mapping[str, float] | None = None,
                           ladder: Mapping[str, tuple[str, ...]] | None = None,
-                          cap_max_tokens: int | None = None, actor: str) -> int:
-    """Changes the given parts of the degradation policy (creates it when all are given)."""
+                          cap_max_tokens: int | None = None,
+                          settings: Mapping[str, Any] | None = None, actor: str) -> int:
+    """Changes the given parts of the degradation policy (creates it when every threshold and
+    a ladder are given). `settings`: hysteresis_margin, hold_seconds, enabled."""
+    settings = dict(settings or {})
+    if cap_max_tokens is not None:
+        settings["cap_max_tokens"] = cap_max_tokens
     cur = await store.get("degradation")
     if cur is None:
         fields = [f.name for f in dataclasses.fields(DegradationThresholds)]
         if thresholds is None or set(fields) - set(thresholds) or ladder is None:
             raise InvalidArgument("degradation does not exist yet; give every threshold "
                                   f"({', '.join(fields)}) and a ladder")
-        doc = Degradation(DegradationThresholds(**thresholds), ladder,
-                          **({"cap_max_tokens": cap_max_tokens} if cap_max_tokens else {}))
+        doc = Degradation(DegradationThresholds(**thresholds), ladder, **settings)
         return await store.create(doc, actor=actor)
     d = cur.document
-    doc = Degradation(dataclasses.replace(d.thresholds, **(thresholds or {})),
-                      {**d.ladder, **(ladder or {})},
-                      d.cap_max_tokens if cap_max_tokens is None else cap_max_tokens)
+    doc = dataclasses.replace(d, thresholds=dataclasses.replace(d.thresholds, **(thresholds or {})),
+                              ladder={**d.ladder, **(ladder or {})}, **settings)
     return await store.put(doc, actor=actor, expected_revision=cur.mod_revision)
 
 

@@ -92,6 +92,17 @@ class RegistrationHandle:
         finally:
             call.cancel()
 
+    async def update(self, registration: schema.Document) -> None:
+        """Rewrites the registration under the same lease (a gateway's degradation level);
+        kept for the next registration when the lease is being renewed. Raises ServiceError
+        when etcd does not take it (the caller retries)."""
+        if registration.key != self.key or type(registration) is not type(self.registration):
+            raise InvalidArgument(f"update must keep the key {self.key}, got {registration.key}")
+        self.registration = registration
+        if self.registered.is_set():
+            await self._client.put((schema.PREFIX + self.key).encode(), schema.encode(registration),
+                                   lease=self.lease_id)
+
     async def close(self) -> None:
         """Stops the keep-alives and revokes the lease (the key disappears now)."""
         self._closed = True

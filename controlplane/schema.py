@@ -29,7 +29,13 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
 
+# What a tier gets at a degradation level: "queue" serves it (the engine's priority queue runs
+# it behind higher tiers), "cap_max_tokens" serves it with max_tokens capped, "reject" sheds it.
 DEGRADATION_ACTIONS = ("queue", "reject", "cap_max_tokens")
+# The level is how far past its threshold the worst signal is: at 1x, 1.5x and 2x of a
+# threshold the ladder stands at level 1, 2 and 3.
+DEGRADATION_LEVEL_MULTIPLES = (1.0, 1.5, 2.0)
+MAX_DEGRADATION_LEVEL = len(DEGRADATION_LEVEL_MULTIPLES)
 TIER_LIMIT_FIELDS = ("requests_per_second", "tokens_per_minute", "daily_tokens",
                      "max_concurrency", "priority", "max_tokens")
 
@@ -165,7 +171,10 @@ class ApiKey:
 
 @dataclass(frozen=True)
 class DegradationThresholds:
-    """Degradation starts when any signal passes its threshold."""
+    """Degradation starts when any signal passes its threshold (level 1 at 1x, 2 at 1.5x, 3 at
+    2x: DEGRADATION_LEVEL_MULTIPLES). Signals come from the engines' load reports: waiting
+    requests per engine (the mean over live engines), the worst engine's TTFT p99, KV blocks
+    used over all engines' blocks, and the engines' summed watts over the power budget."""
 
     queue_depth: int
     ttft_p99_seconds: float
@@ -177,14 +186,22 @@ class DegradationThresholds:
 class Degradation:
     """Thresholds and, per tier, the actions taken at degradation level 1, 2, ...
 
-    `ladder["free"] == ("queue", "reject")`: at level 1 free requests queue, at level 2 and
-    above they are rejected. A tier missing from the ladder is never degraded.
-    `cap_max_tokens` is the max_tokens applied by the "cap_max_tokens" action.
+    `ladder["free"] == ("cap_max_tokens", "reject")`: at level 1 free requests have their
+    max_tokens capped to `cap_max_tokens`, at level 2 and above they are rejected. A tier
+    missing from the ladder is never degraded.
+
+    Hysteresis: a level is entered as soon as a signal reaches it, and left only once every
+    signal has stayed below its threshold minus `hysteresis_margin` (a fraction of the
+    threshold: 0.1 -> below 90% of it) for `hold_seconds`. `enabled: false` keeps every
+    gateway at level 0 (the documents stay as they are).
     """
 
     thresholds: DegradationThresholds
     ladder: Mapping[str, tuple[str, ...]]
     cap_max_tokens: int = 256
+    hysteresis_margin: float = 0.1
+    hold_seconds: float = 10.0
+    enabled: bool = True
 
     def __post_init__(self):
         c = _Check(self.key)
@@ -200,6 +217,14 @@ class Degradation:
         c.number("thresholds.power_watts_vs_budget", t.power_watts_vs_budget, integer=False,
                  minimum=0, strict=True)
         c.number("cap_max_tokens", self.cap_max_tokens, integer=True, minimum=0, strict=True)
+        c.number("hysteresis_margin", self.hysteresis_margin, integer=False, minimum=0)
+        if self.hysteresis_margin >= 1:
+            c.fail(f"hysteresis_margin must be < 1 (a fraction of each threshold), "
+                   f"got {self.hysteresis_margin!r}")
+        c.number("hold_seconds", self.hold_seconds, integer=False, minimum=0)
+        if self.hold_seconds > 3600:
+            c.fail(f"hold_seconds must be <= 3600, got {self.hold_seconds!r}")
+        c.boolean("enabled", self.enabled)
         if not isinstance(self.ladder, Mapping):
             c.fail(f"ladder must be an object of tier -> list of actions, got {self.ladder!r}")
         ladder = {}
@@ -207,6 +232,9 @@ class Degradation:
             c.name("ladder tier", tier)
             if isinstance(actions, str) or not isinstance(actions, (list, tuple)):
                 c.fail(f"ladder.{tier} must be a list of actions, got {actions!r}")
+            if len(actions) > MAX_DEGRADATION_LEVEL:
+                c.fail(f"ladder.{tier} has {len(actions)} actions; levels go to "
+                       f"{MAX_DEGRADATION_LEVEL}")
             for a in actions:
                 if a not in DEGRADATION_ACTIONS:
                     c.fail(f"ladder.{tier}: unknown action {a!r}; allowed: {', '.join(DEGRADATION_ACTIONS)}")
@@ -218,7 +246,8 @@ class Degradation:
         return "degradation"
 
     def action(self, tier: str, level: int) -> str | None:
-        """The action for `tier` at degradation `level` (0 = normal -> None)."""
+        """The action for `tier` at degradation `level` (0 = normal -> None); a ladder shorter
+        than the level keeps its last action."""
         steps = self.ladder.get(tier, ())
         if level <= 0 or not steps:
             return None
@@ -372,11 +401,22 @@ class EngineRegistration:
 class GatewayRegistration:
     id: str
     endpoint: str
+    # The gateway's degradation level now (0-3) and why ("queue_depth 1.6x"); rewritten under
+    # the same lease when the level changes (at most once a second), so `tsctl status` shows it.
+    degradation_level: int = 0
+    degradation_reason: str = ""
 
     def __post_init__(self):
         c = _Check(self.key)
         c.name("id", self.id)
         c.endpoint("endpoint", self.endpoint)
+        c.number("degradation_level", self.degradation_level, integer=True, minimum=0)
+        if self.degradation_level > MAX_DEGRADATION_LEVEL:
+            c.fail(f"degradation_level must be <= {MAX_DEGRADATION_LEVEL}, "
+                   f"got {self.degradation_level!r}")
+        if not isinstance(self.degradation_reason, str) or len(self.degradation_reason) > 200:
+            c.fail(f"degradation_reason must be a string of at most 200 chars, "
+                   f"got {self.degradation_reason!r}")
 
     @property
     def key(self) -> str:

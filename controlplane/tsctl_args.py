@@ -89,7 +89,17 @@ def build_parser(*, default_endpoints: str, default_actor: str,
     p.add_argument("--ladder", action="append", metavar="TIER=ACTION,ACTION",
                    help=f"actions by level: {', '.join(schema.DEGRADATION_ACTIONS)} (repeatable)")
     p.add_argument("--cap-max-tokens", type=int)
-    leaf(d, "show", "show the degradation policy")
+    p.add_argument("--margin", type=float, metavar="FRACTION",
+                   help="hysteresis: a level is left once signals are below (1 - margin) x "
+                        "its threshold ...")
+    p.add_argument("--hold-seconds", type=float, metavar="SECONDS",
+                   help="... for this long")
+    on = p.add_mutually_exclusive_group()
+    on.add_argument("--enable", dest="enabled", action="store_const", const=True,
+                    help="turn the ladder on")
+    on.add_argument("--disable", dest="enabled", action="store_const", const=False,
+                    help="keep every gateway at level 0 (thresholds stay as they are)")
+    leaf(d, "show", "show the degradation policy and the levels it makes")
 
     r = group("route", "split traffic between model versions")
     p = leaf(r, "set", "set version weights, e.g. q4_1=90 q8_0=10")

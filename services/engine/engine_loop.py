@@ -144,13 +144,17 @@ class AsyncEngine:
     leaving the iteration early (cancel, deadline, error) aborts it on the step thread."""
 
     def __init__(self, build: Callable[[], EngineCore],
-                 on_final: Callable[[Sequence, RequestOutput], None] | None = None):
+                 on_final: Callable[[Sequence, RequestOutput], None] | None = None,
+                 on_change: Callable[[], None] | None = None):
         self._queues: dict[int, asyncio.Queue] = {}
         # Submitted and without a final output yet; a stream left early stays here until
         # its abort's final output arrives, so `on_final` sees cancelled requests too.
         self._unfinished: dict[int, Sequence] = {}
         # Called on the event loop with each request's final output (usage records).
         self.on_final = on_final
+        # Called on the event loop when a request arrives or ends and after each step that
+        # produced output (the load reports go out early on change).
+        self.on_change = on_change
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
         self.loop = EngineLoop(build, self._deliver)
@@ -188,6 +192,7 @@ class AsyncEngine:
         finished = False
         try:
             self.loop.submit(seq)
+            self._changed()
             while not finished:
                 out: RequestOutput = await q.get()
                 # a slow reader gets what piled up as one message
@@ -199,6 +204,11 @@ class AsyncEngine:
             self._queues.pop(seq.seq_id, None)
             if not finished:
                 self.loop.abort(seq.seq_id)
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def stop(self) -> None:
         self.loop.stop()
@@ -217,6 +227,7 @@ class AsyncEngine:
             q = self._queues.get(out.seq_id)
             if q is not None:
                 q.put_nowait(out)
+        self._changed()
 
     def _finished(self, out: RequestOutput) -> None:
         seq = self._unfinished.pop(out.seq_id, None)

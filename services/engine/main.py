@@ -19,6 +19,7 @@ from services.engine.config import PREFILL_DTYPES, EngineConfig
 from services.engine.energy import energy_source
 from services.engine.engine_core import EngineCore, text_stream_factory
 from services.engine.engine_loop import AsyncEngine
+from services.engine.load import LoadPublisher, LoadWindow, PowerMeter, engine_sampler
 from services.engine.metrics import EngineMetrics
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.servicer import SERVICE_NAME, EngineServicer, ModelInfo
@@ -121,8 +122,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         p.error(str(e))
 
 
-def build_core(config: EngineConfig) -> EngineCore:
-    """Runs on the step thread: every torch call (loading included) happens there."""
+def build_core(config: EngineConfig, window: LoadWindow | None = None) -> EngineCore:
+    """Runs on the step thread: every torch call (loading included) happens there. `window`
+    gets the latency and token observations the load reports are made of."""
     from services.engine.runner import ModelRunner  # torch: only on the step thread's path
     from tokenserve.tokenization import load_model_tokenizer
 
@@ -159,7 +161,7 @@ def build_core(config: EngineConfig) -> EngineCore:
              load_seconds=round(runner.load_seconds, 2), kv_blocks=runner.num_blocks,
              block_size=runner.block_size, max_context=runner.max_context)
     return EngineCore(runner, scheduler, text_stream=text_stream_factory(tokenizer),
-                      energy=energy_source(config.watts), observer=EngineMetrics())
+                      energy=energy_source(config.watts), observer=EngineMetrics(window))
 
 
 def model_info(config: EngineConfig, core: EngineCore) -> ModelInfo:
@@ -173,8 +175,12 @@ def model_info(config: EngineConfig, core: EngineCore) -> ModelInfo:
 
 async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event | None = None) -> int:
     """Runs until SIGTERM/SIGINT; returns the process exit code."""
-    engine = AsyncEngine(lambda: build(config))
+    window = LoadWindow()
+    engine = AsyncEngine(lambda: build(config, window))
     servicer = EngineServicer(engine)
+    # its own energy source: the step thread's one splits joules between requests
+    load = LoadPublisher(engine_sampler(engine, window, PowerMeter(energy_source(config.watts))))
+    engine.on_change = load.poke
     registration: list = []  # the etcd handle, once registered
     usage_stop = _start_usage(config, engine) if config.meter else None
 
@@ -191,7 +197,7 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
                                 servicer)],
         ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
                       grace_seconds=config.grace_seconds, drain_seconds=config.drain_seconds),
-        on_stop=[stop_engine])
+        on_stop=[stop_engine], on_drain=[load.close])
     await server.start(serving=False)
     engine.start()
     failed = []
@@ -205,6 +211,7 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
             server.request_stop()
             return
         servicer.info = model_info(config, engine.loop.core)
+        servicer.load = load
         await server.set_serving(True)
         log.info("engine_ready", port=server.port, **{k: v for k, v in vars(servicer.info).items()
                                                       if k != "eos_token_ids"})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.engine.load import LoadWindow
 from services.engine.scheduler import TokenEvent
 from services.engine.sequence import Sequence
 
@@ -53,9 +54,11 @@ ENERGY = Counter("tokenserve_engine_energy_joules_total",
 
 
 class EngineMetrics:
-    """Observer for EngineCore: called on the step thread only."""
+    """Observer for EngineCore: called on the step thread only. `window` (when given) gets
+    the same TTFT, inter-token and token-count observations, for the load reports."""
 
-    def __init__(self):
+    def __init__(self, window: LoadWindow | None = None):
+        self.window = window
         self._last_token: dict[int, float] = {}
         self._preemptions = 0
         self._prompt = 0
@@ -74,15 +77,22 @@ class EngineMetrics:
             now = seq.last_token_at
             prev = self._last_token.get(seq.seq_id)
             if prev is None:  # first token
-                TTFT.observe(max(0.0, seq.first_token_at - seq.arrival))
+                ttft = max(0.0, seq.first_token_at - seq.arrival)
+                TTFT.observe(ttft)
                 QUEUE.observe(max(0.0, (seq.first_scheduled_at or now) - seq.arrival))
                 self._admitted(seq)
+                if self.window is not None:
+                    self.window.add_ttft(ttft, now)
             else:
                 ITL.observe(max(0.0, now - prev))
                 TOKENS_PER_STEP.observe(len(ev.tokens))
+                if self.window is not None:
+                    self.window.add_itl(max(0.0, now - prev), now)
             if not seq.finished:
                 self._last_token[seq.seq_id] = now
         GENERATED.inc(generated)
+        if self.window is not None and events:
+            self.window.add_tokens(generated, core.clock())
         if drafted:
             DRAFTED.inc(drafted)
             ACCEPTED.inc(accepted)

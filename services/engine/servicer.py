@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from services.engine.engine_core import RequestOutput
 from services.engine.engine_loop import AsyncEngine
 from services.engine.interface import SamplingParams
+from services.engine.load import LATENCY_WINDOW_S, RATE_WINDOW_S, LoadPublisher, LoadSample
 from services.engine.sequence import FinishReason, Sequence, StopCriteria
 from services.engine.validation import ModelLimits, validate_request
 from tokenserve import sampling
@@ -52,6 +53,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
         self.info: ModelInfo | None = None  # set by main once the model is loaded
+        self.load: LoadPublisher | None = None  # set by main with the info
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         info = self._ready()
@@ -92,6 +94,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             kv_blocks_free=stats.blocks_free, running=stats.running,
             waiting=self.engine.num_waiting, max_concurrency=info.max_concurrency)
 
+    async def WatchLoad(self, request, context):
+        info = self._ready()
+        if self.load is None:
+            raise Unavailable("this engine publishes no load reports yet; retry")
+        async for sample in self.load.watch():
+            yield load_to_pb(info, sample)
+
     def _ready(self) -> ModelInfo:
         if self.info is None or not self.engine.is_ready:
             raise Unavailable("the model is still loading; retry when health reports SERVING")
@@ -124,3 +133,14 @@ def response_to_pb(out: RequestOutput) -> engine_pb2.GenerateResponse:
         msg.energy_joules = f.energy_joules
         msg.energy_estimated = f.energy_estimated
     return msg
+
+
+def load_to_pb(info: ModelInfo, s: LoadSample) -> engine_pb2.LoadReport:
+    return engine_pb2.LoadReport(
+        model=info.model, version=info.version, waiting=s.waiting, running=s.running,
+        kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
+        ttft_p50_seconds=s.ttft_p50_s, ttft_p99_seconds=s.ttft_p99_s,
+        itl_p50_seconds=s.itl_p50_s, itl_p99_seconds=s.itl_p99_s,
+        tokens_per_second=s.tokens_per_s, watts=s.watts, watts_estimated=s.watts_estimated,
+        latency_window_seconds=LATENCY_WINDOW_S, rate_window_seconds=RATE_WINDOW_S,
+        max_concurrency=info.max_concurrency)

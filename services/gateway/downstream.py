@@ -7,12 +7,14 @@ idle, and closing one under a request still streaming from it would cut that req
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.gateway.load import EngineLoad
 from services.gateway.validation import InferenceRequest
 from tokenserve import sampling
 from tokenserve.common.v1 import common_pb2
@@ -207,6 +209,30 @@ class EngineClient:
         except grpc.RpcError:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+    async def watch_load(self, endpoint: str) -> AsyncIterator[EngineLoad]:
+        """The engine's load reports (WatchLoad), each stamped with when it arrived; ends or
+        raises a ServiceError when the stream does."""
+        stub = engine_pb2_grpc.EngineServiceStub(self._channels.get(endpoint))
+        call = stub.WatchLoad(engine_pb2.WatchLoadRequest())
+        try:
+            async for r in call:
+                yield load_from_pb(endpoint, r, time.monotonic())
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, context=f"engine {endpoint} load") from None
+        finally:
+            call.cancel()
+
+
+def load_from_pb(endpoint: str, r: engine_pb2.LoadReport, received_at: float) -> EngineLoad:
+    return EngineLoad(
+        endpoint=endpoint, model=r.model, version=r.version, waiting=r.waiting,
+        running=r.running, kv_blocks_used=r.kv_blocks_used, kv_blocks_total=r.kv_blocks_total,
+        ttft_p50_s=r.ttft_p50_seconds, ttft_p99_s=r.ttft_p99_seconds,
+        itl_p50_s=r.itl_p50_seconds, itl_p99_s=r.itl_p99_seconds,
+        tokens_per_s=r.tokens_per_second, watts=r.watts, watts_estimated=r.watts_estimated,
+        received_at=received_at)
 
 
 class MeterClient:

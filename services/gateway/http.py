@@ -256,8 +256,8 @@ class HttpFront:
             status, extra, body = service_error(e, call.fields)
             await _send_json(send, status, body, call.headers + _encode(extra))
             return None
-        if first.quota is not None:  # what is left of the tenant's limits, as OpenAI sends it
-            call.headers += [(k.encode(), v.encode()) for k, v in first.quota.metadata()]
+        # what is left of the tenant's limits (as OpenAI sends it), the degradation level
+        call.headers += [(k.encode(), v.encode()) for k, v in first.metadata]
         return first
 
     async def _rest(self, call: _Call, first: Chunk) -> AsyncIterator[Chunk]:

@@ -17,16 +17,17 @@ import asyncio
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Callable, Protocol
 
 import structlog
 
 from controlplane.snapshot import ConfigSnapshot
 from services.gateway import metrics
-from services.gateway.admission import Quota, check_fits
+from services.gateway.admission import check_fits
 from services.gateway.auth import Caller
 from services.gateway.canary import CanaryGuardian
+from services.gateway.degradation import Decision
 from services.gateway.downstream import (EngineChunk, EngineClient, EngineFailed, EngineRefused,
                                          FinishReason, TokenizerClient, TokenLogprob)
 from services.gateway.health import Failure
@@ -70,8 +71,9 @@ class Chunk:
     completion_tokens: int = 0
     cached_tokens: int = 0
     model_version: str = ""
-    # On the first chunk: what is left of the tenant's limits after admitting this request.
-    quota: Quota | None = None
+    # On the first chunk: response metadata (what is left of the tenant's limits after
+    # admitting this request, the degradation level).
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 class _Progress:
@@ -124,8 +126,11 @@ class Pipeline:
                  tokenizer: TokenizerClient | Tokenizers,
                  engines: EngineClient, quotas: QuotaStore, spool: UsageSpool,
                  sender: SpoolSender | None, *, max_engine_attempts: int = 3,
-                 stats: VersionStats | None = None, guardian: CanaryGuardian | None = None):
+                 stats: VersionStats | None = None, guardian: CanaryGuardian | None = None,
+                 degradation: Callable[[str], Decision] | None = None):
         self._config = config
+        # tier -> what the degradation ladder does with its requests now
+        self._degradation = degradation or (lambda tier: Decision(0, tier))
         self.router = router
         self.tokenizer = tokenizer
         self._engines = engines
@@ -164,6 +169,13 @@ class Pipeline:
         snap = self.snapshot
         model = self.router.resolve_model(snap, req.model)
         self.router.check_available(snap, model)
+        # before any tokenizer or engine work: a shed request costs nothing and is not billed
+        decision = self._degradation(caller.tier)
+        if decision.shed:
+            metrics.ADMISSION_REJECTIONS.labels(caller.tier, "degraded").inc()
+            raise decision.error()
+        metadata = decision.metadata(req.max_tokens)
+        req = replace(req, max_tokens=decision.capped(req.max_tokens))
         prompt_ids = await self.tokenizer.encode(model, req, left())
         check_context(len(prompt_ids), req.max_tokens, self.router.max_context(snap, model))
         cost = len(prompt_ids) + req.max_tokens
@@ -171,6 +183,8 @@ class Pipeline:
         try:
             reservation, quota = await self._quotas.admit(caller.tenant_id, caller.limits,
                                                           req.request_id, cost, left())
+            if quota is not None:
+                metadata = quota.metadata() + metadata
         except ResourceExhausted as e:
             metrics.ADMISSION_REJECTIONS.labels(caller.tier, e.limit or "other").inc()
             raise
@@ -179,8 +193,8 @@ class Pipeline:
         try:
             async with aclosing(self._generate(snap, progress, prompt_ids, left, arrived)) as gen:
                 async for chunk in gen:
-                    if quota is not None:
-                        chunk.quota, quota = quota, None
+                    if metadata:
+                        chunk.metadata, metadata = metadata, ()
                     yield chunk
             status = "OK"
         except ServiceError as e:

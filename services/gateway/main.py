@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +26,11 @@ from services.gateway.affinity import PrefixAffinity
 from services.gateway.canary import CanaryGuardian
 from services.gateway.config import TOKENIZE_MODES, GatewayConfig, StaticEngine
 from services.gateway.downstream import Channels, EngineClient, MeterClient, TokenizerClient
+from services.gateway.governor import Governor
 from services.gateway.health import EjectionPolicy, ReplicaHealth
 from services.gateway.http import HttpFront
 from services.gateway.inference import ConfigSource, Pipeline
+from services.gateway.load import LoadBoard, LoadSubscriptions
 from services.gateway.prober import Prober
 from services.gateway.quota_store import (MemoryQuotaStore, NoQuotaStore, QuotaStore,
                                           RedisQuotaStore)
@@ -125,22 +128,26 @@ def quota_store(config: GatewayConfig, source: ConfigSource) -> QuotaStore:
                            live_gateways=lambda: len(source.snapshot.gateways))
 
 
-def router_for(config: GatewayConfig) -> Router:
-    """The router with replica health (ejection) and, when on, prefix affinity."""
+def router_for(config: GatewayConfig, board: LoadBoard | None = None) -> Router:
+    """The router with replica health (ejection), the engines' load reports from `board`
+    and, when on, prefix affinity."""
     health = ReplicaHealth(config.ejection)
     metrics.REPLICAS_EJECTED.set_function(lambda: len(health.ejected()))
     return Router(config.engines, config.default_model, health=health,
+                  load_of=board.get if board is not None else None,
                   affinity=PrefixAffinity() if config.prefix_affinity else None)
 
 
-def build(config: GatewayConfig, source: ConfigSource, router: Router, *,
+def build(config: GatewayConfig, source: ConfigSource, router: Router, board: LoadBoard, *,
           watch: Callable[[Callable[[ConfigSnapshot], None]], object] | None = None,
-          ) -> tuple[GrpcServer, list[Callable[[], None]], HttpFront | None]:
+          ) -> tuple[GrpcServer, list[Callable[[], None]], HttpFront | None, Governor]:
     """The gRPC server, what to start once the loop runs (the usage sender, the replica
-    prober) and the HTTP front (None when off), wired to `source` (a started ConfigWatcher,
-    or any holder of a snapshot), `router` (router_for) and one pipeline. `watch` subscribes a
-    callback to config changes (ConfigWatcher.on_change). Stopping the server stops the HTTP
-    front first, then flushes the sender."""
+    prober, the degradation loop), the HTTP front (None when off) and the degradation
+    governor, wired to `source` (a started ConfigWatcher, or any holder of a snapshot),
+    `router` (router_for, reading `board`), the engines' load reports on `board` and one
+    pipeline. `watch` subscribes a callback to config changes (ConfigWatcher.on_change).
+    Stopping the server stops the HTTP front first, then the governor, then flushes the
+    sender."""
     spool = UsageSpool(config.spool_path, config.spool_durability)
     metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
     meter_channel, tokenizer_channel = aio_channel(config.meter), aio_channel(config.tokenizer)
@@ -160,6 +167,8 @@ def build(config: GatewayConfig, source: ConfigSource, router: Router, *,
     tokenizers.apply(source.snapshot)
     if watch is not None:
         watch(tokenizers.apply)
+    governor = Governor(lambda: source.snapshot, config.engines, board,
+                        LoadSubscriptions(board, engines.watch_load))
     prober = Prober(router.health, engines.serving)
     router.health.subscribe(prober.on_eject)
     # Canary rollbacks: this gateway's own writes to the control plane, audited under its id.
@@ -170,9 +179,10 @@ def build(config: GatewayConfig, source: ConfigSource, router: Router, *,
         store, model, version, reason, actor=actor))
     pipeline = Pipeline(source, router, tokenizers, engines, quotas, spool, sender,
                         max_engine_attempts=config.max_engine_attempts,
-                        stats=stats, guardian=guardian)
+                        stats=stats, guardian=guardian, degradation=governor.decide)
 
     async def close_all():
+        await governor.stop()
         await sender.stop()
         await prober.stop()
         await guardian.close()
@@ -195,7 +205,7 @@ def build(config: GatewayConfig, source: ConfigSource, router: Router, *,
         [Registration(SERVICE_NAME, gateway_pb2_grpc.add_InferenceServiceServicer_to_server,
                       InferenceServicer(pipeline, config.request_timeout_seconds, meter))],
         options, on_stop=([http.stop] if http else []) + [close_all])
-    return server, [sender.start, prober.start], http
+    return server, [sender.start, prober.start, governor.start], http, governor
 
 
 async def _register_when_possible(config: GatewayConfig, port: int):
@@ -205,24 +215,46 @@ async def _register_when_possible(config: GatewayConfig, port: int):
     return await register_with_retry(list(config.etcd_endpoints), "gateways", reg, ttl=5)
 
 
+async def _publish_level(governor: Governor, registering: asyncio.Task) -> None:
+    """Rewrites this gateway's registration with its degradation level when the level
+    changes (at most once a second), for `tsctl status`."""
+    handle = await registering
+    while True:
+        await governor.changed.wait()
+        governor.changed.clear()
+        state = governor.state
+        try:
+            await handle.update(dataclasses.replace(
+                handle.registration, degradation_level=state.level,
+                degradation_reason=state.reason))
+        except ServiceError as e:  # etcd down: the level is written once it is back
+            log.warning("degradation_level_publish_failed", error=e.message)
+            governor.changed.set()
+        await asyncio.sleep(1.0)
+
+
 async def serve(config: GatewayConfig):
     configure_logging("gateway", config.log_level)
     watcher = ConfigWatcher(list(config.etcd_endpoints), snapshot_path=Path(config.snapshot_path),
                             service="gateway")
     await watcher.start()
-    router = router_for(config)
+    board = LoadBoard()
+    router = router_for(config, board)
     # At start (the first snapshot holds the engines registered so far), then on every change.
     router.log_context_mismatches(watcher.snapshot)
     watcher.on_change(router.log_context_mismatches)
-    server, background, http = build(config, watcher, router, watch=watcher.on_change)
+    server, background, http, governor = build(config, watcher, router, board,
+                                               watch=watcher.on_change)
     if http is not None:
         await http.start()  # listening before health says SERVING
     port = await server.start()
     for start in background:
         start()
     registering = asyncio.create_task(_register_when_possible(config, port))
+    publishing = asyncio.create_task(_publish_level(governor, registering))
 
     async def unregister():
+        publishing.cancel()
         # Bounded: a cancel that races a watch event can be lost inside the watcher
         # (asyncio.wait_for in 3.11); asyncio.run cancels whatever is left on exit.
         try:

@@ -41,3 +41,11 @@ REPLICAS_EJECTED = Gauge("tokenserve_gateway_engines_ejected",
 CANARY_ROLLBACKS = Counter("tokenserve_gateway_canary_rollbacks_total",
                            "Guarded canaries this gateway rolled back, by model and version",
                            ["model", "version"])
+DEGRADATION_LEVEL = Gauge(
+    "tokenserve_gateway_degradation_level",
+    "Degradation level now: 0 normal, 1 free tier max_tokens capped, 2 free shed, 3 standard"
+    " shed (as the degradation document's ladder says)")
+DEGRADATION_SIGNAL_RATIO = Gauge(
+    "tokenserve_gateway_degradation_signal_ratio",
+    "Each degradation signal over its threshold (1 = at the threshold: level 1; 1.5: 2; 2: 3)",
+    ["signal"])

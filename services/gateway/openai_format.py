@@ -56,7 +56,7 @@ def error_body(message: str, kind: str, *, param: str | None = None,
 def ratelimit_headers(metadata: Sequence[tuple[str, str]]) -> dict[str, str]:
     """Admission metadata as HTTP headers: retry-after-ms -> `Retry-After` (whole seconds,
     rounded up) and `retry-after-ms`; `limit` -> `x-ratelimit-limit`; `limit-X` ->
-    `x-ratelimit-X` (e.g. `x-ratelimit-remaining`)."""
+    `x-ratelimit-X` (e.g. `x-ratelimit-remaining`); `x-...` keys as they are."""
     headers: dict[str, str] = {}
     for key, value in metadata:
         if key == RETRY_AFTER_MS:
@@ -70,6 +70,8 @@ def ratelimit_headers(metadata: Sequence[tuple[str, str]]) -> dict[str, str]:
             headers["x-ratelimit-limit"] = value
         elif key.startswith(LIMIT_PREFIX):
             headers["x-ratelimit-" + key[len(LIMIT_PREFIX):]] = value
+        elif key.startswith("x-"):  # already a header (x-degradation-level)
+            headers[key] = value
     return headers
 
 

@@ -91,8 +91,8 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
             first = True
             async with aclosing(self._pipeline.stream(caller, req, self._timeout(context))) as s:
                 async for chunk in s:
-                    if chunk.quota is not None:
-                        await context.send_initial_metadata(chunk.quota.metadata())
+                    if chunk.metadata:
+                        await context.send_initial_metadata(chunk.metadata)
                     yield chunk_to_pb(chunk, first=first)
                     first = False
         except ServiceError as e:

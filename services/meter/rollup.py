@@ -102,7 +102,7 @@ class Delta:
     splits: dict[RequestRef, tuple[int, int]]  # -> (first hour, last hour) of its records
 
 
-_SOURCE_TEXT = {s: s.value for s in Source}
+SOURCE_TEXT = {s: s.value for s in Source}
 
 
 def delta(new: Iterable[UsageRecord], before: Mapping[RequestRef, set[Key]],
@@ -116,7 +116,7 @@ def delta(new: Iterable[UsageRecord], before: Mapping[RequestRef, set[Key]],
     first: dict[RequestRef, tuple[Key, Sums]] = {}
     more: dict[RequestRef, set[Key]] = {}  # requests with records under several keys here
     for e in new:
-        source = _SOURCE_TEXT[e.source]
+        source = SOURCE_TEXT[e.source]
         k = (source, e.tenant_id, floor_to(e.finished_at, HOUR), e.app, e.model,
              e.model_version, e.tier)
         s = sums.get(k)

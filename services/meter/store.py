@@ -154,8 +154,8 @@ class Ledger:
                                     set[rollup.RequestRef]]:
         """For the events' requests, as stored before this batch: the rollup keys of each
         one's records (only for requests not split yet) and which ones are split."""
-        refs = {(e.source.value, e.request_id) for e in events}
-        request_ids = sorted({r for _, r in refs})
+        refs = {(rollup.SOURCE_TEXT[e.source], e.request_id) for e in events}
+        request_ids = list({r for _, r in refs})
         split = {ref for ref in self._d.rows_in(
             cur, "SELECT source, request_id FROM usage_split_requests WHERE {in}",
             "request_id", request_ids) if ref in refs}
@@ -164,7 +164,7 @@ class Ledger:
         for source, request_id, *labels, finished in self._d.rows_in(
                 cur, "SELECT source, request_id, tenant_id, app, model, model_version, tier,"
                      " finished_at FROM usage_events WHERE {in}",
-                "request_id", sorted({r for _, r in refs - split})):
+                "request_id", list({r for _, r in refs - split})):
             if (source, request_id) in refs:
                 before.setdefault((source, request_id), set()).add(
                     rollup.key_of(source, *labels, finished))

@@ -9,7 +9,8 @@ threads, for short CPU-bound unary calls (a tokenizer), where it answers ~0.5 ms
 call than grpc.aio on a small machine. Either way the process's asyncio loop owns start,
 signals, drain and stop.
 
-Shutdown: health goes NOT_SERVING for every service, the server keeps answering for
+Shutdown: health goes NOT_SERVING for every service (`on_drain` hooks end never-ending
+streams then), the server keeps answering for
 `drain_seconds` so that balancers notice, then `server.stop(grace_seconds)` lets in-flight
 calls finish, then `on_stop` hooks run (flush spools, close stores).
 """
@@ -143,11 +144,15 @@ class SyncErrorInterceptor(grpc.ServerInterceptor):
 
 class GrpcServer:
     def __init__(self, service: str, registrations: list[Registration], options: ServerOptions,
-                 *, on_stop: list[Callable[[], Awaitable[None]]] | None = None):
+                 *, on_stop: list[Callable[[], Awaitable[None]]] | None = None,
+                 on_drain: list[Callable[[], None]] | None = None):
         self.service = service
         self.registrations = registrations
         self.options = options
         self.on_stop = list(on_stop or [])
+        # Called as health turns NOT_SERVING: end never-ending streams (load reports) so the
+        # grace period is left to requests.
+        self.on_drain = list(on_drain or [])
         self._sync = options.handler_threads is not None
         self.health = health.HealthServicer() if self._sync else health.aio.HealthServicer()
         self.port: int | None = None
@@ -205,6 +210,8 @@ class GrpcServer:
         if self._server is None:
             return
         await self.set_serving(False)
+        for hook in self.on_drain:
+            hook()
         log.info("draining", service=self.service, seconds=self.options.drain_seconds)
         await asyncio.sleep(self.options.drain_seconds)
         if self._sync:

@@ -43,6 +43,11 @@ async def test_full_queue_is_resource_exhausted_and_sigterm_drains_then_exits(tm
         assert json.loads(regs[0])["max_context"] == info.max_context
         async with grpc.aio.insecure_channel(proc.target) as ch:
             stub = engine_pb2_grpc.EngineServiceStub(ch)
+            watch = stub.WatchLoad(pb.WatchLoadRequest())
+            idle = await watch.read()
+            assert (idle.model, idle.running, idle.waiting, idle.kv_blocks_used) == (
+                "smollm2-135m-instruct", 0, 0, 0)
+            assert idle.kv_blocks_total == info.kv_blocks_total and idle.max_concurrency == 16
             long = pb.GenerateRequest(prompt_token_ids=[500, 501], max_tokens=600, ignore_eos=True)
             running = [stub.Generate(long) for _ in range(16)]  # max concurrency 16
             for call in running:
@@ -52,6 +57,12 @@ async def test_full_queue_is_resource_exhausted_and_sigterm_drains_then_exits(tm
                 if (await stub.GetInfo(pb.GetInfoRequest())).waiting == 1:
                     break
                 await asyncio.sleep(0.05)
+            # the load stream reports the same, within a report or two of the change
+            t0 = time.monotonic()
+            while (load := await watch.read()).waiting != 1 or load.running != 16:
+                assert time.monotonic() - t0 < 3
+            assert load.kv_blocks_used > 0 and load.ttft_p99_seconds > 0
+            assert load.tokens_per_second > 0 and load.watts > 0
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Generate(long).read()
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -69,6 +80,9 @@ async def test_full_queue_is_resource_exhausted_and_sigterm_drains_then_exits(tm
             while time.monotonic() < deadline and NOT_SERVING not in seen:
                 seen.add(await asyncio.to_thread(proc.health))
             assert NOT_SERVING in seen
+            ends = time.monotonic()  # draining ends the load stream at once
+            while await watch.read() is not grpc.aio.EOF:
+                assert time.monotonic() - ends < 1.5
             last = first
             while (m := await short.read()) is not grpc.aio.EOF:
                 last = m

@@ -5,8 +5,10 @@ protos; the text they produce is meaningless. Tests of real generation use the r
 Fake tokenizer: one token per whitespace-separated word; a chat costs its words plus 2 per
 message plus 1 for the generation prompt. Fake engine: emits max_tokens tokens ("w0 w1 ..."),
 `delay` seconds apart, noticing a cancelled call between tokens; `fail_with` refuses every
-call, or with `fail_every=n` every n-th one. Every fake server serves grpc.health.v1
-(`set_serving`).
+call, or with `fail_every=n` every n-th one. Given `load` (a LoadReport), it streams that report
+from WatchLoad every 0.2 s (change `servicer.load` to report another load); without, WatchLoad
+is UNIMPLEMENTED, as on an engine that publishes no load. Every fake server serves
+grpc.health.v1 (`set_serving`).
 """
 from __future__ import annotations
 
@@ -49,8 +51,10 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
 class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, version: str = "v1", delay: float = 0.0,
-                 fail_with: grpc.StatusCode | None = None, fail_every: int = 0):
+                 fail_with: grpc.StatusCode | None = None, fail_every: int = 0,
+                 load: engine_pb2.LoadReport | None = None):
         self.version = version
+        self.load = load
         self.delay = delay
         self.fail_with = fail_with
         self.fail_every = fail_every
@@ -83,6 +87,13 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                     completion_tokens=request.max_tokens, cached_tokens=1))
                 resp.energy_joules = 0.5
             yield resp
+
+    def WatchLoad(self, request, context):
+        if self.load is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this fake engine reports no load")
+        while context.is_active():
+            yield self.load
+            time.sleep(0.2)
 
     def GetInfo(self, request, context):
         return engine_pb2.GetInfoResponse(model=MODEL, version=self.version, max_context=64)

@@ -86,3 +86,43 @@ class GetInfoResponse(_message.Message):
     waiting: int
     max_concurrency: int
     def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_concurrency: _Optional[int] = ...) -> None: ...
+
+class WatchLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("model", "version", "waiting", "running", "kv_blocks_used", "kv_blocks_total", "ttft_p50_seconds", "ttft_p99_seconds", "itl_p50_seconds", "itl_p99_seconds", "tokens_per_second", "watts", "watts_estimated", "latency_window_seconds", "rate_window_seconds", "max_concurrency")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    WATTS_FIELD_NUMBER: _ClassVar[int]
+    WATTS_ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RATE_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: str
+    waiting: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    ttft_p50_seconds: float
+    ttft_p99_seconds: float
+    itl_p50_seconds: float
+    itl_p99_seconds: float
+    tokens_per_second: float
+    watts: float
+    watts_estimated: bool
+    latency_window_seconds: float
+    rate_window_seconds: float
+    max_concurrency: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., itl_p50_seconds: _Optional[float] = ..., itl_p99_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., watts: _Optional[float] = ..., watts_estimated: _Optional[bool] = ..., latency_window_seconds: _Optional[float] = ..., rate_window_seconds: _Optional[float] = ..., max_concurrency: _Optional[int] = ...) -> None: ...

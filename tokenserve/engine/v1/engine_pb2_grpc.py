@@ -46,6 +46,11 @@ class EngineServiceStub:
                 request_serializer=tokenserve_dot_engine_dot_v1_dot_engine__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=tokenserve_dot_engine_dot_v1_dot_engine__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/tokenserve.engine.v1.EngineService/WatchLoad',
+                request_serializer=tokenserve_dot_engine_dot_v1_dot_engine__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=tokenserve_dot_engine_dot_v1_dot_engine__pb2.LoadReport.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -69,6 +74,16 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """Streams this engine's load: one report at once, then one whenever the queue, the running
+        batch or the KV use changes (at most 4 a second) and at least one a second. Gateways
+        subscribe to it to weigh replicas and to compute their degradation level. The stream
+        ends when the engine starts draining.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +96,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=tokenserve_dot_engine_dot_v1_dot_engine__pb2.GetInfoRequest.FromString,
                     response_serializer=tokenserve_dot_engine_dot_v1_dot_engine__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=tokenserve_dot_engine_dot_v1_dot_engine__pb2.WatchLoadRequest.FromString,
+                    response_serializer=tokenserve_dot_engine_dot_v1_dot_engine__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -139,6 +159,33 @@ class EngineService:
             '/tokenserve.engine.v1.EngineService/GetInfo',
             tokenserve_dot_engine_dot_v1_dot_engine__pb2.GetInfoRequest.SerializeToString,
             tokenserve_dot_engine_dot_v1_dot_engine__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokenserve.engine.v1.EngineService/WatchLoad',
+            tokenserve_dot_engine_dot_v1_dot_engine__pb2.WatchLoadRequest.SerializeToString,
+            tokenserve_dot_engine_dot_v1_dot_engine__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
