@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from services.engine.block_manager import BlockManager
-from services.engine.config import PREFILL_DTYPES, EngineConfig
+from services.engine.config import COMPUTE_DTYPES, PREFILL_DTYPES, EngineConfig
 from services.engine.energy import energy_source
 from services.engine.engine_core import EngineCore, text_stream_factory
 from services.engine.engine_loop import AsyncEngine
@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
     p.add_argument("--version", default=DEFAULT_MODEL_VERSION)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", help="activations and dense weights")
+    p.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES,
+                   help="activations and dense weights: auto (default) is bfloat16 on CUDA and"
+                        " float32 on the CPU")
     p.add_argument("--quantization", default="auto",
                    help="auto (default): a GGUF file's own quantized blocks, multiplied as they are"
                         " (int8 for float weights) | int8: every weight as per-channel int8 |"
@@ -95,11 +97,11 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
     if a.exact:
-        if (a.quantization not in ("auto", "none") or a.dtype != "float32"
+        if (a.quantization not in ("auto", "none") or a.dtype not in ("auto", "float32")
                 or a.kv_cache_dtype not in (None, "float32") or a.prefill_dtype == "bfloat16"):
             p.error("--exact is float32 without quantization: drop --quantization/--dtype/"
                     "--kv-cache-dtype/--prefill-dtype")
-        a.quantization, a.kv_cache_dtype = "none", "float32"
+        a.quantization, a.dtype, a.kv_cache_dtype = "none", "float32", "float32"
     try:
         return EngineConfig(
             model_path=a.model_path or default_model_path(), model_name=a.model_name,

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from services.engine.attention import KVCache, build_metadata
+from services.engine.config import resolve_dtype
 from services.engine.interface import Batch, RunnerOutput, SeqChunk
 from services.engine.loader import ModelLoadError, load_weights
 from services.engine.model import LlamaModel
@@ -43,9 +44,11 @@ class ModelRunner:
     quantization: "none" (the default here: dense weights in dtype; float32 is the bit-faithful
     exact mode), "auto" (the service's default: the GGUF file's own blocks, int8 for the rest;
     see quant.py) or "int8".
-    kv_cache_dtype: what K/V are stored as (default: float16 when quantized, else dtype);
-    float16 halves the cache's memory and the bytes decode attention reads, at ~1e-3 relative
-    rounding of K/V.
+    dtype: "float32", "bfloat16", "float16" or "auto" (config.resolve_dtype: bfloat16 on CUDA,
+    float32 on the CPU).
+    kv_cache_dtype: what K/V are stored as (default on the CPU: float16 when quantized, else
+    dtype; on CUDA: dtype); float16 halves the cache's memory and the bytes decode attention
+    reads, at ~1e-3 relative rounding of K/V.
     prefill_dtype: "auto" (bfloat16 for prompt rows where the CPU multiplies it natively),
     "bfloat16" or "float32"; only GGUF blocks served by their kernels (quantization "auto") keep
     a bfloat16 copy for prompt rows (see quant.py).
@@ -61,10 +64,15 @@ class ModelRunner:
                  progress: Callable[[int, int], None] | None = None,
                  num_threads: int | None = None, seed: int | None = None, kernels: bool = True,
                  prefill_dtype: str = "auto"):
+        if dtype == "auto":
+            dtype = resolve_dtype(dtype, device)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        # the fast modes store K/V in float16 (half the memory and decode reads); exact: dtype
-        kv_cache_dtype = kv_cache_dtype or ("float16" if quantization != "none" else dtype)
+        on_cuda = device.split(":")[0] == "cuda"
+        # the CPU's fast modes store K/V in float16 (half the memory and decode reads); exact
+        # mode and CUDA (bfloat16 compute): dtype
+        kv_cache_dtype = kv_cache_dtype or (
+            "float16" if quantization != "none" and not on_cuda else dtype)
         if kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(DTYPES)}, got {kv_cache_dtype!r}")
         if quantization not in QUANTIZATIONS:
@@ -112,7 +120,7 @@ class ModelRunner:
     def _auto_blocks(self, per_block: int, kv_bytes: int | None, max_num_seqs: int, max_pos: int) -> int:
         if kv_bytes is None:
             if self.device.startswith("cuda"):
-                free, _ = torch.cuda.mem_get_info()
+                free, _ = torch.cuda.mem_get_info(torch.device(self.device))
                 kv_bytes = int(free * _GPU_KV_FRACTION)
             else:
                 kv_bytes = min(int(_available_ram() * _CPU_KV_FRACTION), _CPU_KV_CAP_BYTES)
