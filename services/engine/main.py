@@ -16,7 +16,7 @@ from pathlib import Path
 
 from services.engine.block_manager import BlockManager
 from services.engine.config import COMPUTE_DTYPES, PREFILL_DTYPES, EngineConfig
-from services.engine.energy import energy_source
+from services.engine.energy import cuda_device_uuid, energy_source
 from services.engine.engine_core import EngineCore, text_stream_factory
 from services.engine.engine_loop import AsyncEngine
 from services.engine.metrics import EngineMetrics
@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--num-draft-tokens", type=int, default=8,
                    help="most draft tokens verified per request per step")
     p.add_argument("--watts", type=float, default=15.0,
-                   help="power figure for energy when no RAPL counter is readable")
+                   help="power figure for energy (reported as estimated) when no counter is"
+                        " readable: NVML on a CUDA device, else RAPL")
     p.add_argument("--etcd-endpoints", default="", help="host:port[,host:port...]")
     p.add_argument("--meter", default=None,
                    help="meter host:port: the engine sends its own usage record of every"
@@ -160,8 +161,12 @@ def build_core(config: EngineConfig) -> EngineCore:
     log.info("model_loaded", model=config.model_name, version=config.version,
              load_seconds=round(runner.load_seconds, 2), kv_blocks=runner.num_blocks,
              block_size=runner.block_size, max_context=runner.max_context)
+    on_cuda = config.device.split(":")[0] == "cuda"
+    energy = energy_source(config.watts, device=config.device,
+                           gpu_uuid=cuda_device_uuid(config.device) if on_cuda else None)
+    log.info("energy_source", source=energy.name, estimated=energy.estimated)
     return EngineCore(runner, scheduler, text_stream=text_stream_factory(tokenizer),
-                      energy=energy_source(config.watts), observer=EngineMetrics())
+                      energy=energy, observer=EngineMetrics())
 
 
 def model_info(config: EngineConfig, core: EngineCore) -> ModelInfo:
