@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--exact", action="store_true",
                    help="the bit-faithful mode: float32 dense weights, activations and KV cache"
                         " (same as --quantization none --dtype float32); slower")
+    p.add_argument("--eager", action="store_true",
+                   help="CUDA: run every step op by op instead of replaying decode steps from"
+                        " CUDA graphs (debugging); no effect on the CPU")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (default: all cores available)")
     p.add_argument("--max-concurrency", type=int, default=64)
@@ -109,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             version=a.version, host=a.host, port=a.port,
             metrics_port=a.metrics_port, device=a.device,
             dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
-            prefill_dtype=a.prefill_dtype, threads=a.threads,
+            prefill_dtype=a.prefill_dtype, eager=a.eager, threads=a.threads,
             max_concurrency=a.max_concurrency, max_waiting=a.max_waiting,
             max_batched_tokens=a.max_batched_tokens, itl_target_ms=a.itl_target_ms,
             burst_hold_ms=a.burst_hold_ms,
@@ -143,7 +146,8 @@ def build_core(config: EngineConfig) -> EngineCore:
         quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
         prefill_dtype=config.prefill_dtype, block_size=config.block_size,
         kv_cache_bytes=config.kv_cache_mb * 2**20 if config.kv_cache_mb else None,
-        max_num_seqs=config.max_concurrency, progress=progress, num_threads=config.threads)
+        max_num_seqs=config.max_concurrency, progress=progress, num_threads=config.threads,
+        cuda_graphs=not config.eager)
     tokenizer = load_model_tokenizer(config.model_path)
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config.max_concurrency,

@@ -19,8 +19,10 @@ import torch
 
 from services.engine.attention import KVCache, build_metadata
 from services.engine.config import resolve_dtype
+from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
+from services.engine.device import to_device
 from services.engine.interface import Batch, RunnerOutput, SeqChunk
-from services.engine.loader import ModelLoadError, load_weights
+from services.engine.loader import LoadedWeights, ModelLoadError, load_weights
 from services.engine.model import LlamaModel
 from services.engine.quant import QUANTIZATIONS, prefill_in_bfloat16
 from services.engine.sampler import Sampler
@@ -55,6 +57,9 @@ class ModelRunner:
     kernels=False turns off the AVX2 C kernels (fused norm, int8 matmul): torch ops only.
     num_threads: torch intra-op threads (default: the CPUs this process may use).
     seed: seeds the generator of unseeded sampling requests (tests).
+    cuda_graphs: on CUDA, replay decode-only steps from CUDA graphs (cuda_graphs.py; False is
+    --eager); never attempted on the CPU. decode_attention: model.DECODE_ATTENTION (CUDA).
+    model_path may also be LoadedWeights already in memory (benchmarks with random weights).
     """
 
     def __init__(self, model_path: str | Path, *, device: str = "cpu", dtype: str = "float32",
@@ -63,7 +68,8 @@ class ModelRunner:
                  kv_cache_bytes: int | None = None, max_num_seqs: int = 64,
                  progress: Callable[[int, int], None] | None = None,
                  num_threads: int | None = None, seed: int | None = None, kernels: bool = True,
-                 prefill_dtype: str = "auto"):
+                 prefill_dtype: str = "auto", cuda_graphs: bool = True,
+                 decode_attention: str = "auto"):
         if dtype == "auto":
             dtype = resolve_dtype(dtype, device)
         if dtype not in DTYPES:
@@ -83,13 +89,17 @@ class ModelRunner:
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         t0 = time.perf_counter()
-        loaded = load_weights(model_path, progress, keep_blocks=quantization == "auto")
+        if isinstance(model_path, LoadedWeights):
+            loaded, model_path = model_path, model_path.config.name
+        else:
+            loaded = load_weights(model_path, progress, keep_blocks=quantization == "auto")
         c = loaded.config
         try:
             with torch.inference_mode():
                 self.model = LlamaModel(loaded, dtype=DTYPES[dtype], quantization=quantization,
                                         device=device, fused_kernels=kernels,
-                                        prefill_bf16=prefill_bf16)
+                                        prefill_bf16=prefill_bf16,
+                                        decode_attention=decode_attention)
         except ValueError as e:  # e.g. an unsupported rope scaling
             raise ModelLoadError(model_path, str(e)) from e
         del loaded
@@ -106,15 +116,27 @@ class ModelRunner:
         self.num_blocks = num_blocks or self._auto_blocks(per_block, kv_cache_bytes, max_num_seqs, c.max_position)
         if self.num_blocks < 1:
             raise ValueError(f"KV cache too small: kv_cache_bytes must allow one block of {per_block} bytes")
-        self.kv = KVCache(c.num_layers, self.num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                          kv_dtype, device)
+        graphs = on_cuda and cuda_graphs and self.model.decode_attention == "triton"
+        # CUDA graphs: one more block, beyond those the scheduler may hand out, for padded rows
+        self.kv = KVCache(c.num_layers, self.num_blocks + (1 if graphs else 0), block_size, c.num_kv_heads,
+                          c.head_dim, kv_dtype, device)
         self.max_context = min(c.max_position, self.num_blocks * block_size)
         self.sampler = Sampler(device, seed, kernels=kernels)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv, buckets=graph_buckets(max_num_seqs),
+                                       block_size=block_size, max_context=self.max_context,
+                                       scratch_block=self.num_blocks, device=device)
+            self.graphs.capture()
+        elif on_cuda and cuda_graphs:
+            log.warning("cuda_graphs_off", reason="no paged decode kernel (triton did not import)")
         self.load_seconds = time.perf_counter() - t0
         log.info("runner_ready", model=self.model_name, dtype=dtype, quantization=quantization,
                  kv_cache_dtype=kv_cache_dtype, prefill_bfloat16=prefill_bf16,
                  num_blocks=self.num_blocks, block_size=block_size, max_context=self.max_context,
                  kv_cache_mib=round(self.num_blocks * per_block / 2**20, 1),
+                 decode_attention=self.model.decode_attention,
+                 cuda_graph_buckets=list(self.graphs.buckets) if self.graphs else None,
                  load_seconds=round(self.load_seconds, 2), threads=torch.get_num_threads())
 
     def _auto_blocks(self, per_block: int, kv_bytes: int | None, max_num_seqs: int, max_pos: int) -> int:
@@ -159,10 +181,15 @@ class ModelRunner:
                 rows.extend(range(len(ids) - 1 - k, len(ids)))
                 sample_chunks.extend(_draft_rows(c) if k else [c])
         dev = self.device
-        meta = build_metadata(spans, self.block_size, dev)
-        logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
-                                    torch.tensor(positions, dtype=torch.long, device=dev),
-                                    meta, self.kv, torch.tensor(rows, dtype=torch.long, device=dev))
+        if self.graphs is not None and self.graphs.fits(chunks):
+            logits = self.graphs.run(chunks)  # [len(chunks), V]: one row per decode chunk
+            if len(rows) < len(chunks):  # a 1-token chunk that samples nothing
+                logits = logits[to_device(rows, torch.long, dev)]
+        else:
+            meta = build_metadata(spans, self.block_size, dev)
+            logits = self.model.forward(to_device(ids, torch.long, dev),
+                                        to_device(positions, torch.long, dev),
+                                        meta, self.kv, to_device(rows, torch.long, dev))
         out = RunnerOutput(sampled={})
         if sample_chunks:
             checkpoints = {c.seq_id: self.sampler.checkpoint(c.seq_id, c.sampling)

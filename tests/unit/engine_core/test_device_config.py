@@ -1,5 +1,5 @@
-"""Device-dependent defaults of the engine's flags and config: --dtype auto (bfloat16 on
-CUDA, float32 on the CPU)."""
+"""Device-dependent flags and config of the engine: --dtype auto (bfloat16 on CUDA, float32
+on the CPU) and --eager (no CUDA graphs)."""
 from __future__ import annotations
 
 import pytest
@@ -35,3 +35,8 @@ def test_exact_takes_the_auto_default_to_float32_and_refuses_bfloat16(tmp_path):
     assert (e.quantization, e.dtype, e.kv_cache_dtype) == ("none", "float32", "float32")
     with pytest.raises(SystemExit):
         parse_args(["--model-path", str(tmp_path), "--exact", "--dtype", "bfloat16"])
+
+
+def test_eager_switch_turns_cuda_graphs_off(tmp_path):
+    assert parse_args(["--model-path", str(tmp_path)]).eager is False  # graphs on CUDA
+    assert parse_args(["--model-path", str(tmp_path), "--device", "cuda", "--eager"]).eager is True
