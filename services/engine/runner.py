@@ -88,6 +88,8 @@ class ModelRunner:
         prefill_bf16 = quantization == "auto" and prefill_in_bfloat16(prefill_dtype, device)
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        if on_cuda:  # graph capture and replay, Triton launches: all on the engine's device
+            torch.cuda.set_device(torch.device(device))
         t0 = time.perf_counter()
         if isinstance(model_path, LoadedWeights):
             loaded, model_path = model_path, model_path.config.name
