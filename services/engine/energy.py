@@ -20,28 +20,47 @@ class NvmlCounter:
     """One GPU's NVML total energy (millijoules since the driver loaded), unwrapped.
 
     nvml: the `pynvml` module (or a stand-in with the same functions); handle: its device.
+    The counter is read at most every min_interval_s (a driver call per step would cost a
+    sub-millisecond GPU step more than it measures); in between, the energy is the last read
+    plus the power measured over the last interval times the time since, never decreasing,
+    so each step still gets joules in proportion to its time and the total follows the counter.
     """
 
     estimated = False
     name = "nvml"
     _WRAP = 1 << 64  # nvmlDeviceGetTotalEnergyConsumption is an unsigned long long
 
-    def __init__(self, nvml, handle):
+    def __init__(self, nvml, handle, *, min_interval_s: float = 0.02,
+                 clock: Callable[[], float] = time.monotonic):
         self._nvml, self._handle = nvml, handle
+        self.min_interval_s = min_interval_s
+        self._clock = clock
         self._last = self._read()
+        self._t_last = clock()
         self._total_mj = 0
+        self._watts = 0.0
+        self._reported = 0.0
 
     def _read(self) -> int:
         return int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
 
     def read_joules(self) -> float:
-        try:
-            now = self._read()
-        except self._nvml.NVMLError:  # a transient driver error: no energy this time
-            return self._total_mj / 1e3
-        self._total_mj += nvml_delta_mj(self._last, now)
-        self._last = now
-        return self._total_mj / 1e3
+        now = self._clock()
+        dt = now - self._t_last
+        if dt < self.min_interval_s:
+            estimate = self._total_mj / 1e3 + self._watts * dt
+        else:
+            try:
+                raw = self._read()
+            except self._nvml.NVMLError:  # a transient driver error: no energy this time
+                return self._reported
+            delta = nvml_delta_mj(self._last, raw)
+            self._watts = delta / 1e3 / dt if dt > 0 else self._watts
+            self._total_mj += delta
+            self._last, self._t_last = raw, now
+            estimate = self._total_mj / 1e3
+        self._reported = max(self._reported, estimate)
+        return self._reported
 
 
 def nvml_delta_mj(last: int, now: int) -> int:
@@ -60,7 +79,8 @@ def _uuid_key(u) -> str:
     return u[4:] if u.startswith("gpu-") else u
 
 
-def nvml_counter(device: str = "cuda", uuid: str | None = None, nvml=None) -> NvmlCounter | None:
+def nvml_counter(device: str = "cuda", uuid: str | None = None, nvml=None,
+                 **kw) -> NvmlCounter | None:
     """NVML energy of the GPU `device` names, or None when it cannot be read (no package, no
     driver, a GPU without the counter, no device matching `uuid`).
 
@@ -85,7 +105,7 @@ def nvml_counter(device: str = "cuda", uuid: str | None = None, nvml=None) -> Nv
             handle = handles[i] if i < len(handles) else None
         if handle is None:
             return None
-        return NvmlCounter(nvml, handle)  # raises NVMLError where the GPU has no counter
+        return NvmlCounter(nvml, handle, **kw)  # raises NVMLError where the GPU has no counter
     except nvml.NVMLError:
         return None
 

@@ -85,6 +85,7 @@ class FakeNvml:
 def test_nvml_counts_millijoule_deltas_of_the_selected_gpu():
     nvml = FakeNvml([("GPU-aaaa", 5_000), ("GPU-bbbb", 70_000)])
     src = energy_source(20.0, device="cuda:1", nvml=nvml)
+    src.min_interval_s = 0  # every read asks the driver (see the interval test below)
     assert isinstance(src, NvmlCounter) and not src.estimated and src.name == "nvml"
     nvml.devices[1][1] += 2_500  # mJ
     nvml.devices[0][1] += 999_999  # another GPU: not this engine's
@@ -98,7 +99,7 @@ def test_nvml_counts_millijoule_deltas_of_the_selected_gpu():
 def test_nvml_matches_the_cuda_uuid_not_the_index():
     """CUDA_VISIBLE_DEVICES renumbers CUDA devices; NVML numbers them all: match by UUID."""
     nvml = FakeNvml([(b"GPU-aaaa", 0), ("GPU-BBBB", 100)])
-    src = nvml_counter("cuda:0", uuid="bbbb", nvml=nvml)
+    src = nvml_counter("cuda:0", uuid="bbbb", nvml=nvml, min_interval_s=0)
     nvml.devices[1][1] += 1_000
     nvml.devices[0][1] += 7_000
     assert src.read_joules() == pytest.approx(1.0)
@@ -113,9 +114,33 @@ def test_nvml_counter_wrap_and_driver_reset():
     assert nvml_delta_mj(80_000, 300) == 300  # reset to zero (driver reloaded)
     assert nvml_delta_mj(10, 10) == 0
     nvml = FakeNvml([("GPU-a", top)])
-    src = nvml_counter("cuda", nvml=nvml)
+    src = nvml_counter("cuda", nvml=nvml, min_interval_s=0)
     nvml.devices[0][1] = 2_000
     assert src.read_joules() == pytest.approx(3.0)
+
+
+def test_nvml_is_read_at_most_every_interval_and_interpolated_between():
+    """Steps shorter than the interval get the last measured power times their time, without
+    a driver call; the running total never decreases and catches up with the counter."""
+    t = [0.0]
+    nvml = FakeNvml([("GPU-a", 0)])
+    reads = [0]
+    real = nvml.nvmlDeviceGetTotalEnergyConsumption
+
+    def counted(h):
+        reads[0] += 1
+        return real(h)
+
+    nvml.nvmlDeviceGetTotalEnergyConsumption = counted
+    src = nvml_counter("cuda", nvml=nvml, min_interval_s=0.02, clock=lambda: t[0])
+    t[0], nvml.devices[0][1] = 0.1, 30_000  # 30 J over 0.1 s: 300 W
+    assert src.read_joules() == pytest.approx(30.0) and reads[0] == 2
+    t[0] = 0.11  # 10 ms later: no driver call, 300 W x 0.01 s
+    assert src.read_joules() == pytest.approx(33.0) and reads[0] == 2
+    t[0], nvml.devices[0][1] = 0.13, 32_000  # the counter says less than was reported:
+    assert src.read_joules() == pytest.approx(33.0) and reads[0] == 3  # held, not decreased
+    t[0], nvml.devices[0][1] = 0.2, 40_000
+    assert src.read_joules() == pytest.approx(40.0)  # the counter's total again
 
 
 def test_without_nvml_the_order_is_rapl_then_watts(tmp_path):
