@@ -37,7 +37,7 @@ def _paged_decode_kernel(Q, K, V, TABLES, CTX, OUT, scale,
                          F32_DOT: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
-    ctx = tl.load(CTX + row)
+    ctx = tl.load(CTX + row).to(tl.int32)
     g = tl.arange(0, GROUP_ROWS)
     d = tl.arange(0, D_PAD)
     gmask = g < GROUP
