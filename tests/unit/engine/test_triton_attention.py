@@ -240,3 +240,45 @@ def test_kernel_compiles_for_hopper_with_tensor_cores(tmp_path):
     assert set(got) == {"bf16-bf16-9", "bf16-bf16-32", "fp32-fp32-9", "fp32-fp16-9"}
     for name in ("bf16-bf16-9", "bf16-bf16-32"):
         assert got[name]["hmma"] > 0 and got[name]["ldg128"] > 0, got
+
+
+def test_model_decodes_through_the_kernel_as_on_cuda(kernel, tmp_path):
+    """The model with the Triton kernel as its decode path (what LlamaModel picks on CUDA),
+    eagerly and through the CUDA graph's body (packed rows, padded bucket, wide tables), gives
+    the reference runner's greedy tokens."""
+    from services.engine import cuda_graphs as cg
+    from services.engine.interface import Batch, SamplingParams, SeqChunk
+    from services.engine.runner import ModelRunner
+    from tests.unit.engine import tiny_models as tm
+
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(6))
+    ref = ModelRunner(path, num_blocks=24, block_size=4, num_threads=1, kernels=False)
+    fast = ModelRunner(path, num_blocks=24, block_size=4, num_threads=1, kernels=False)
+    fast.model._paged = kernel.paged_decode_attention
+    g = SamplingParams()
+    prompts = {1: [5, 9, 3, 7, 1, 2], 2: [8, 8, 4], 3: [11, 12, 13, 14, 15, 16, 17, 18, 19]}
+    tables = {1: [4, 9, 10, 11], 2: [0, 1, 3], 3: [17, 2, 6, 7, 8]}
+
+    def run(r, graph_body: bool):
+        out = r.execute(Batch([SeqChunk(s, p, 0, tables[s], True, g) for s, p in prompts.items()]))
+        toks = {s: [out.sampled[s].token_id] for s in prompts}
+        stage = cg.new_staging(4, 6, 4, 23)  # bucket 4 for 3 rows; block 23: scratch
+        for step in range(6):
+            chunks = [SeqChunk(s, [toks[s][-1]], len(p) + step, tables[s], True, g)
+                      for s, p in prompts.items()]
+            if graph_body:
+                cg.pack(stage.numpy(), chunks, 4, 4, 23)
+                with torch.inference_mode():
+                    logits = cg.decode_step(r.model, r.kv, stage, torch.arange(4))[:3]
+                for s, row in zip(prompts, logits.argmax(-1).tolist()):
+                    toks[s].append(row)
+            else:
+                out = r.execute(Batch(chunks))
+                for s in prompts:
+                    toks[s].append(out.sampled[s].token_id)
+        r.execute(Batch([], finished_seq_ids=list(prompts)))
+        return toks
+
+    expected = run(ref, False)
+    assert run(fast, False) == expected
+    assert run(fast, True) == expected
