@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run HERE (a machine with PyPI): downloads what bench/gpu_suite.py needs on a GPU machine that
-# has no network, into one folder to carry (default .whl, ignored by git):
+# has no network, into one folder to carry (default .whl; it ignores itself in git):
 #
 #   bash bench/gpu_wheels.sh [DIR]
 #
@@ -26,9 +26,10 @@ if [ "${1:-}" = "--smollm2" ]; then split_smollm2=1; shift; fi
 DIR=${1:-.whl}
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}
-EXCLUDE=$(git rev-parse --git-path info/exclude)
-mkdir -p "$(dirname "$EXCLUDE")" "$DIR"
-grep -qxF "/$DIR/" "$EXCLUDE" 2>/dev/null || echo "/$DIR/" >> "$EXCLUDE"
+# each output folder ignores itself (a .gitignore of "*"): never committed, and carried to the
+# device machine only where a call names it in `carry`
+ignored_dir() { mkdir -p "$1" && echo '*' > "$1/.gitignore"; }
+ignored_dir "$DIR"
 
 # name==version as installed here (the versions the tests pass with), else the newest
 pin() {
@@ -61,13 +62,10 @@ chmod +x "$DIR/etcd"
 
 if [ "$split_smollm2" = 1 ]; then
     gguf=$("$PY" -c "from tokenserve.models import default_model_path; print(default_model_path())")
-    for part in a b; do mkdir -p "$DIR-smollm2-$part"; done
+    for part in a b; do ignored_dir "$DIR-smollm2-$part"; done
     half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
     head -c "$half" "$gguf" > "$DIR-smollm2-a/part"
     tail -c +"$((half + 1))" "$gguf" > "$DIR-smollm2-b/part"
     sha256sum "$gguf" | cut -d' ' -f1 > "$DIR-smollm2-b/sha256"
-    for part in a b; do
-        grep -qxF "/$DIR-smollm2-$part/" "$EXCLUDE" || echo "/$DIR-smollm2-$part/" >> "$EXCLUDE"
-    done
 fi
 du -sh "$DIR"* | sed 's/^/carry: /'
