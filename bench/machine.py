@@ -65,3 +65,54 @@ def machine_facts(model_path: Path | None = None) -> dict:
         facts["default_bytes_per_token"] = b
         facts["roofline_tok_s_one_stream"] = round(facts["copy_bandwidth_gbs"] * 1e9 / b, 1)
     return facts
+
+
+def gpu_copy_bandwidth_gbs(device: str = "cuda", mib: int = 2048, repeats: int = 10) -> float:
+    """Bytes read + written per second by a device-to-device copy of mib MiB (median of
+    repeats, CUDA events), in GB/s: the ceiling a memory-bound decode step is measured against."""
+    import torch
+
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        samples.append(2 * src.nbytes / (start.elapsed_time(end) / 1e3))
+    del src, dst
+    torch.cuda.empty_cache()
+    return statistics.median(samples) / 1e9
+
+
+def gpu_facts(device: str = "cuda") -> dict:
+    """The GPU, its driver and the library versions the numbers depend on."""
+    import importlib.metadata as md
+
+    import torch
+
+    def version(pkg: str) -> str | None:
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    p = torch.cuda.get_device_properties(torch.device(device))
+    facts = {"name": p.name, "capability": f"{p.major}.{p.minor}",
+             "multiprocessors": p.multi_processor_count,
+             "memory_gib": round(p.total_memory / 2**30, 1), "torch": torch.__version__,
+             "cuda": torch.version.cuda, "triton": version("triton"),
+             "transformers": version("transformers"), "nvidia_ml_py": version("nvidia-ml-py")}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        facts["driver"] = pynvml.nvmlSystemGetDriverVersion()
+    except Exception:  # noqa: BLE001 - a fact we could not read is left out
+        facts["driver"] = None
+    facts["copy_bandwidth_gbs"] = round(gpu_copy_bandwidth_gbs(device), 1)
+    return facts

@@ -8,16 +8,28 @@ Token order inside a step (the runner builds it): all prefill chunks first, then
 chunks, so decodes are one contiguous run [decode_start, T). A decode chunk is one token, or
 a speculative one: its last token plus drafts, each row a decode query of its own that sees
 the cache up to its position (every token's K/V is written before attention runs).
+
+Decode rows go, in order of preference: a `paged` kernel given by the model (on CUDA the
+Triton kernel of triton_attention.py, which reads each row's blocks through its block table),
+the C kernel on the CPU, else torch over a gather of the rows' blocks padded to the longest
+(the reference path).
 """
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from services.engine import cpu_kernels
+from services.engine.device import to_device
+
+
+# (q [B, H, D], cache_k, cache_v, block_tables [B, W], ctx_lens [B], scale) -> [B, H, D]
+PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+                       torch.Tensor]
 
 
 class KVCache:
@@ -82,13 +94,13 @@ def build_metadata(spans: list[tuple], block_size: int, device: str) -> Attentio
                 raise ValueError("prefill chunks must come before decode chunks")
             prefills.append(PrefillSpan(q_start, n, start_pos, table))
         q_start += n
-    meta = AttentionMetadata(slots=torch.tensor(slots, dtype=torch.long, device=device),
+    meta = AttentionMetadata(slots=to_device(slots, torch.long, device),
                              prefills=prefills, decode_start=q_start - len(decodes))
     if decodes:
         nb = max(-(-ctx // block_size) for ctx, _ in decodes)
         tables = [t[:nb] + [0] * (nb - min(nb, len(t))) for _, t in decodes]
-        meta.decode_blocks = torch.tensor(tables, dtype=torch.long, device=device)
-        meta.decode_ctx = torch.tensor([ctx for ctx, _ in decodes], dtype=torch.long, device=device)
+        meta.decode_blocks = to_device(tables, torch.long, device)
+        meta.decode_ctx = to_device([ctx for ctx, _ in decodes], torch.long, device)
     if len(decodes) == 1 and _consecutive(decodes[0][1], decodes[0][0], block_size):
         ctx, table = decodes[0]
         meta.decode_contiguous = (table[0], ctx)
@@ -115,21 +127,22 @@ def _read(cache: torch.Tensor, blocks: list[int], ctx: int) -> torch.Tensor:
     if _consecutive(blocks, ctx, bs):
         kv = cache[blocks[0]:blocks[0] + nb]
     else:
-        kv = cache[torch.tensor(blocks[:nb], dtype=torch.long, device=cache.device)]
+        kv = cache[to_device(blocks[:nb], torch.long, cache.device)]
     return kv.flatten(0, 1)[:ctx]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
            cache_v: torch.Tensor, meta: AttentionMetadata, scale: float,
-           kernels: ctypes.CDLL | None = None) -> torch.Tensor:
+           kernels: ctypes.CDLL | None = None, paged: PagedDecode | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (already written to the cache) -> [T, H * D].
     The cache may hold a narrower dtype than q (e.g. float16 K/V for float32 compute).
     kernels: the cpu_kernels library (float32 queries, float32 or float16 CPU caches) for the
-    decode rows, else torch."""
+    decode rows, else torch. paged: a kernel for the decode rows that reads the cache through
+    the block tables (first choice when given)."""
     t, h, d = q.shape
     group = h // k.shape[1]
     if not meta.prefills:  # decode-only step: no staging buffer
-        return _decode(q, cache_k, cache_v, meta, scale, group, kernels).view(t, h * d)
+        return _decode(q, cache_k, cache_v, meta, scale, group, kernels, paged).view(t, h * d)
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
@@ -151,14 +164,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Ten
         out[rows] = o[0].transpose(0, 1)
     start = meta.decode_start
     if start < t:
-        out[start:] = _decode(q[start:], cache_k, cache_v, meta, scale, group, kernels)
+        out[start:] = _decode(q[start:], cache_k, cache_v, meta, scale, group, kernels, paged)
     return out.view(t, h * d)
 
 
 def _decode(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, meta: AttentionMetadata,
-            scale: float, group: int, kernels: ctypes.CDLL | None) -> torch.Tensor:
+            scale: float, group: int, kernels: ctypes.CDLL | None,
+            paged: PagedDecode | None = None) -> torch.Tensor:
     """One query per row. q: [B, H, D] -> [B, H, D]. Plain matmuls beat the flash kernel here."""
     b, h, d = q.shape
+    if paged is not None:
+        return paged(q, cache_k, cache_v, meta.decode_blocks, meta.decode_ctx, scale)
     if kernels is not None and d % 8 == 0 and cache_k.dtype in (torch.float32, torch.float16):
         # Reads each sequence's blocks in place: no padded gather, no per-layer copies.
         return cpu_kernels.paged_decode_attention(kernels, q, cache_k, cache_v, meta.decode_blocks,

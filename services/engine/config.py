@@ -11,6 +11,9 @@ from tokenserve.runtime.config import check_endpoint, check_ports
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
+# --dtype: "auto" is bfloat16 on CUDA (half the weight bytes, tensor cores) and float32 on
+# the CPU (the GGUF kernels and the exact mode compute in float32).
+COMPUTE_DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8")  # what each means: services/engine/quant.py
 PREFILL_DTYPES = ("auto", "bfloat16", "float32")  # likewise
 
@@ -25,7 +28,8 @@ class EngineConfig:
     # None: no /metrics endpoint.
     metrics_port: int | None = 9103
     device: str = "cpu"
-    dtype: str = "float32"
+    # Activations and dense weights; "auto": resolve_dtype(dtype, device).
+    dtype: str = "auto"
     # The default is the fast one: a GGUF file's own quantized blocks (int8 for float weights).
     # "none" with float32 (and a float32 KV cache) is the bit-faithful exact mode (--exact).
     quantization: str = "auto"
@@ -35,6 +39,8 @@ class EngineConfig:
     # Prompt rows of a step: "auto" multiplies them in bfloat16 where the CPU does so natively
     # (a bfloat16 copy of the GGUF weights, 2 bytes a weight); "float32": the file's blocks.
     prefill_dtype: str = "auto"
+    # CUDA: run every step op by op, without CUDA graphs (debugging); no effect on the CPU.
+    eager: bool = False
     # CPU threads for torch (None: every core this process may use).
     threads: int | None = None
     # Most requests running at once (batch rows); more wait, up to max_waiting.
@@ -81,8 +87,8 @@ class EngineConfig:
         check_ports(self.port, self.metrics_port)
         if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES} (optionally cuda:N), got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
         if self.prefill_dtype not in PREFILL_DTYPES:
@@ -121,3 +127,12 @@ class EngineConfig:
             raise ValueError("spool_path must be a file path")
         if self.grace_seconds < 0 or self.drain_seconds < 0:
             raise ValueError("grace_seconds and drain_seconds must be >= 0")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The compute dtype --dtype names on `device`: "auto" is bfloat16 on CUDA, float32 on the CPU."""
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.split(":")[0] == "cuda" else "float32"

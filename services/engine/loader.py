@@ -274,28 +274,7 @@ def _load_hf(path: Path, progress: Progress | None) -> LoadedWeights:
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ModelLoadError(path, "attention_bias/mlp_bias are not supported")
     try:
-        n_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        scaling = cfg.get("rope_scaling") or None
-        rope_theta = cfg.get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
-            params = cfg.get("rope_parameters") or {}
-            rope_theta = params.get("rope_theta", 10000.0)
-            if params.get("rope_type", "default") != "default":
-                scaling = params
-        config = ModelConfig(
-            name=str(cfg.get("_name_or_path") or path.name) or path.name,
-            vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=n_heads, num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
-            max_position=int(cfg.get("max_position_embeddings", 2048)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            rope_scaling=scaling, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
-        )
+        config = hf_model_config(cfg, path.name)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(path, f"config.json is incomplete or invalid ({type(e).__name__}: {e})") from e
 
@@ -317,6 +296,48 @@ def _load_hf(path: Path, progress: Progress | None) -> LoadedWeights:
     if config.tie_embeddings:
         tensors.pop("lm_head", None)
     return LoadedWeights(config, tensors)
+
+
+def hf_model_config(cfg: dict, name: str) -> ModelConfig:
+    """A Hugging Face config.json (as a dict) -> ModelConfig; KeyError/TypeError/ValueError
+    when incomplete. name: used when the config names no model."""
+    n_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    scaling = cfg.get("rope_scaling") or None
+    rope_theta = cfg.get("rope_theta")
+    if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
+        params = cfg.get("rope_parameters") or {}
+        rope_theta = params.get("rope_theta", 10000.0)
+        if params.get("rope_type", "default") != "default":
+            scaling = params
+    return ModelConfig(
+        name=str(cfg.get("_name_or_path") or name) or name,
+        vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=n_heads, num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
+        max_position=int(cfg.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_scaling=scaling, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+    )
+
+
+def loaded_from_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> LoadedWeights:
+    """A Hugging Face Llama state dict (e.g. a transformers model's, weights kept where they
+    are: device and dtype) -> LoadedWeights, checked like a loaded folder."""
+    tensors = {}
+    for key, t in state_dict.items():
+        name = _hf_canonical_name(key)
+        if name is not None:
+            tensors[name] = t.detach()
+    if config.tie_embeddings:
+        tensors.pop("lm_head", None)
+    loaded = LoadedWeights(config, tensors)
+    _check_shapes(Path(config.name), loaded)
+    return loaded
 
 
 def _hf_canonical_name(key: str) -> str | None:

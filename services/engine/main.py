@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from services.engine.block_manager import BlockManager
-from services.engine.config import PREFILL_DTYPES, EngineConfig
-from services.engine.energy import energy_source
+from services.engine.config import COMPUTE_DTYPES, PREFILL_DTYPES, EngineConfig
+from services.engine.energy import cuda_device_uuid, energy_source
 from services.engine.engine_core import EngineCore, text_stream_factory
 from services.engine.engine_loop import AsyncEngine
 from services.engine.load import LoadPublisher, LoadWindow, PowerMeter, engine_sampler
@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
     p.add_argument("--version", default=DEFAULT_MODEL_VERSION)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", help="activations and dense weights")
+    p.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES,
+                   help="activations and dense weights: auto (default) is bfloat16 on CUDA and"
+                        " float32 on the CPU")
     p.add_argument("--quantization", default="auto",
                    help="auto (default): a GGUF file's own quantized blocks, multiplied as they are"
                         " (int8 for float weights) | int8: every weight as per-channel int8 |"
@@ -60,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--exact", action="store_true",
                    help="the bit-faithful mode: float32 dense weights, activations and KV cache"
                         " (same as --quantization none --dtype float32); slower")
+    p.add_argument("--eager", action="store_true",
+                   help="CUDA: run every step op by op instead of replaying decode steps from"
+                        " CUDA graphs (debugging); no effect on the CPU")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (default: all cores available)")
     p.add_argument("--max-concurrency", type=int, default=64)
@@ -81,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--num-draft-tokens", type=int, default=8,
                    help="most draft tokens verified per request per step")
     p.add_argument("--watts", type=float, default=15.0,
-                   help="power figure for energy when no RAPL counter is readable")
+                   help="power figure for energy (reported as estimated) when no counter is"
+                        " readable: NVML on a CUDA device, else RAPL")
     p.add_argument("--etcd-endpoints", default="", help="host:port[,host:port...]")
     p.add_argument("--meter", default=None,
                    help="meter host:port: the engine sends its own usage record of every"
@@ -96,18 +102,18 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
     if a.exact:
-        if (a.quantization not in ("auto", "none") or a.dtype != "float32"
+        if (a.quantization not in ("auto", "none") or a.dtype not in ("auto", "float32")
                 or a.kv_cache_dtype not in (None, "float32") or a.prefill_dtype == "bfloat16"):
             p.error("--exact is float32 without quantization: drop --quantization/--dtype/"
                     "--kv-cache-dtype/--prefill-dtype")
-        a.quantization, a.kv_cache_dtype = "none", "float32"
+        a.quantization, a.dtype, a.kv_cache_dtype = "none", "float32", "float32"
     try:
         return EngineConfig(
             model_path=a.model_path or default_model_path(), model_name=a.model_name,
             version=a.version, host=a.host, port=a.port,
             metrics_port=a.metrics_port, device=a.device,
             dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
-            prefill_dtype=a.prefill_dtype, threads=a.threads,
+            prefill_dtype=a.prefill_dtype, eager=a.eager, threads=a.threads,
             max_concurrency=a.max_concurrency, max_waiting=a.max_waiting,
             max_batched_tokens=a.max_batched_tokens, itl_target_ms=a.itl_target_ms,
             burst_hold_ms=a.burst_hold_ms,
@@ -142,7 +148,8 @@ def build_core(config: EngineConfig, window: LoadWindow | None = None) -> Engine
         quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
         prefill_dtype=config.prefill_dtype, block_size=config.block_size,
         kv_cache_bytes=config.kv_cache_mb * 2**20 if config.kv_cache_mb else None,
-        max_num_seqs=config.max_concurrency, progress=progress, num_threads=config.threads)
+        max_num_seqs=config.max_concurrency, progress=progress, num_threads=config.threads,
+        cuda_graphs=not config.eager)
     tokenizer = load_model_tokenizer(config.model_path)
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config.max_concurrency,
@@ -160,8 +167,17 @@ def build_core(config: EngineConfig, window: LoadWindow | None = None) -> Engine
     log.info("model_loaded", model=config.model_name, version=config.version,
              load_seconds=round(runner.load_seconds, 2), kv_blocks=runner.num_blocks,
              block_size=runner.block_size, max_context=runner.max_context)
+    energy = engine_energy_source(config)
+    log.info("energy_source", source=energy.name, estimated=energy.estimated)
     return EngineCore(runner, scheduler, text_stream=text_stream_factory(tokenizer),
-                      energy=energy_source(config.watts), observer=EngineMetrics(window))
+                      energy=energy, observer=EngineMetrics(window))
+
+
+def engine_energy_source(config: EngineConfig):
+    """The best energy counter for the engine's device (energy.energy_source)."""
+    on_cuda = config.device.split(":")[0] == "cuda"
+    return energy_source(config.watts, device=config.device,
+                         gpu_uuid=cuda_device_uuid(config.device) if on_cuda else None)
 
 
 def model_info(config: EngineConfig, core: EngineCore) -> ModelInfo:
@@ -179,7 +195,7 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
     engine = AsyncEngine(lambda: build(config, window))
     servicer = EngineServicer(engine)
     # its own energy source: the step thread's one splits joules between requests
-    load = LoadPublisher(engine_sampler(engine, window, PowerMeter(energy_source(config.watts))))
+    load = LoadPublisher(engine_sampler(engine, window, PowerMeter(engine_energy_source(config))))
     engine.on_change = load.poke
     registration: list = []  # the etcd handle, once registered
     usage_stop = _start_usage(config, engine) if config.meter else None

@@ -51,6 +51,9 @@ TOKENS_PER_STEP = Histogram("tokenserve_engine_tokens_per_step",
                             buckets=(1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17))
 ENERGY = Counter("tokenserve_engine_energy_joules_total",
                  "Joules attributed to requests (estimated when no counter is readable)")
+TOKENS_PER_JOULE = Gauge("tokenserve_engine_tokens_per_joule",
+                         "Prompt + completion tokens per joule (tokens per watt-second) of the"
+                         " requests finished since start, as the meter counts them")
 
 
 class EngineMetrics:
@@ -63,6 +66,8 @@ class EngineMetrics:
         self._preemptions = 0
         self._prompt = 0
         self._cached = 0
+        self._energy_tokens = 0
+        self._joules = 0.0
 
     def on_step(self, core, events: list[TokenEvent], seconds: float) -> None:
         STEP.observe(seconds)
@@ -115,6 +120,9 @@ class EngineMetrics:
             E2E.observe(max(0.0, seq.finished_at - seq.arrival))
         if seq.energy_joules > 0:
             ENERGY.inc(seq.energy_joules)
+            self._energy_tokens += seq.num_prompt_tokens + len(seq.output_token_ids)
+            self._joules += seq.energy_joules
+            TOKENS_PER_JOULE.set(self._energy_tokens / self._joules)
         d = seq.drafter
         if d is not None and d.proposed:
             ACCEPTANCE.observe(d.accepted / d.proposed)

@@ -13,10 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from services.engine import cpu_kernels
-from services.engine.attention import AttentionMetadata, KVCache, attend, write_kv
+from services.engine.attention import AttentionMetadata, KVCache, PagedDecode, attend, write_kv
+from services.engine.device import is_cuda
 from services.engine.gguf_kernels import GGUFWeight
 from services.engine.loader import LoadedWeights, ModelConfig
 from services.engine.quant import make_linear
+
+
+# Decode attention on CUDA: "auto" (Triton where it imports, else gather), "triton", or
+# "gather" (torch over the rows' gathered blocks: the reference). The CPU has its C kernel.
+DECODE_ATTENTION = ("auto", "triton", "gather")
 
 
 class LlamaModel:
@@ -24,7 +30,7 @@ class LlamaModel:
 
     def __init__(self, loaded: LoadedWeights, *, dtype: torch.dtype = torch.float32,
                  quantization: str = "none", device: str = "cpu", fused_kernels: bool = True,
-                 prefill_bf16: bool = False):
+                 prefill_bf16: bool = False, decode_attention: str = "auto"):
         c = self.config = loaded.config
         t = loaded.tensors
         self.dtype, self.device = dtype, device
@@ -61,6 +67,9 @@ class LlamaModel:
             ))
         fusable = dtype == torch.float32 and device == "cpu" and c.hidden_size % 8 == 0
         self._kernels = cpu_kernels.load() if fusable and fused_kernels else None
+        self._paged = _paged_decode(decode_attention, device)
+        self.decode_attention = "triton" if self._paged is not None else (
+            "cpu-kernel" if self._kernels is not None else "gather")
         cos, sin = rope_tables(c, t.get("rope_freqs"))
         self.rope_cos = cos.to(device=device, dtype=dtype)  # [max_position, D]
         self.rope_sin = sin.to(device=device, dtype=dtype)  # [max_position, D], first half negated
@@ -85,7 +94,8 @@ class LlamaModel:
             k = qk[:, c.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(t, c.num_kv_heads, c.head_dim)
             write_kv(kv.k[i], kv.v[i], k, v, meta.slots)
-            attn = attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self._kernels)  # [T, H * D]
+            attn = attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self._kernels,
+                          self._paged)  # [T, H * D]
             h = self._norm(x, layer.o(attn, p), layer.ffn_norm)
             mlp = layer.down(self._silu_mul(layer.gate_up(h, p)), p)
             if i + 1 < len(self.layers):
@@ -108,6 +118,20 @@ class LlamaModel:
         if delta is not None:
             x.add_(delta)
         return F.rms_norm(x, (self.config.hidden_size,), w, self.config.rms_eps)
+
+
+def _paged_decode(choice: str, device: str) -> PagedDecode | None:
+    if choice not in DECODE_ATTENTION:
+        raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {choice!r}")
+    if choice == "gather" or not is_cuda(device):
+        return None
+    try:
+        from services.engine import triton_attention  # imports triton: CUDA only
+    except ImportError:
+        if choice == "triton":
+            raise
+        return None
+    return triton_attention.paged_decode_attention
 
 
 class _Layer:

@@ -18,8 +18,11 @@ from typing import Callable
 import torch
 
 from services.engine.attention import KVCache, build_metadata
+from services.engine.config import resolve_dtype
+from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
+from services.engine.device import to_device
 from services.engine.interface import Batch, RunnerOutput, SeqChunk
-from services.engine.loader import ModelLoadError, load_weights
+from services.engine.loader import LoadedWeights, ModelLoadError, load_weights
 from services.engine.model import LlamaModel
 from services.engine.quant import QUANTIZATIONS, prefill_in_bfloat16
 from services.engine.sampler import Sampler
@@ -43,15 +46,20 @@ class ModelRunner:
     quantization: "none" (the default here: dense weights in dtype; float32 is the bit-faithful
     exact mode), "auto" (the service's default: the GGUF file's own blocks, int8 for the rest;
     see quant.py) or "int8".
-    kv_cache_dtype: what K/V are stored as (default: float16 when quantized, else dtype);
-    float16 halves the cache's memory and the bytes decode attention reads, at ~1e-3 relative
-    rounding of K/V.
+    dtype: "float32", "bfloat16", "float16" or "auto" (config.resolve_dtype: bfloat16 on CUDA,
+    float32 on the CPU).
+    kv_cache_dtype: what K/V are stored as (default on the CPU: float16 when quantized, else
+    dtype; on CUDA: dtype); float16 halves the cache's memory and the bytes decode attention
+    reads, at ~1e-3 relative rounding of K/V.
     prefill_dtype: "auto" (bfloat16 for prompt rows where the CPU multiplies it natively),
     "bfloat16" or "float32"; only GGUF blocks served by their kernels (quantization "auto") keep
     a bfloat16 copy for prompt rows (see quant.py).
     kernels=False turns off the AVX2 C kernels (fused norm, int8 matmul): torch ops only.
     num_threads: torch intra-op threads (default: the CPUs this process may use).
     seed: seeds the generator of unseeded sampling requests (tests).
+    cuda_graphs: on CUDA, replay decode-only steps from CUDA graphs (cuda_graphs.py; False is
+    --eager); never attempted on the CPU. decode_attention: model.DECODE_ATTENTION (CUDA).
+    model_path may also be LoadedWeights already in memory (benchmarks with random weights).
     """
 
     def __init__(self, model_path: str | Path, *, device: str = "cpu", dtype: str = "float32",
@@ -60,11 +68,17 @@ class ModelRunner:
                  kv_cache_bytes: int | None = None, max_num_seqs: int = 64,
                  progress: Callable[[int, int], None] | None = None,
                  num_threads: int | None = None, seed: int | None = None, kernels: bool = True,
-                 prefill_dtype: str = "auto"):
+                 prefill_dtype: str = "auto", cuda_graphs: bool = True,
+                 decode_attention: str = "auto"):
+        if dtype == "auto":
+            dtype = resolve_dtype(dtype, device)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        # the fast modes store K/V in float16 (half the memory and decode reads); exact: dtype
-        kv_cache_dtype = kv_cache_dtype or ("float16" if quantization != "none" else dtype)
+        on_cuda = device.split(":")[0] == "cuda"
+        # the CPU's fast modes store K/V in float16 (half the memory and decode reads); exact
+        # mode and CUDA (bfloat16 compute): dtype
+        kv_cache_dtype = kv_cache_dtype or (
+            "float16" if quantization != "none" and not on_cuda else dtype)
         if kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(DTYPES)}, got {kv_cache_dtype!r}")
         if quantization not in QUANTIZATIONS:
@@ -74,14 +88,20 @@ class ModelRunner:
         prefill_bf16 = quantization == "auto" and prefill_in_bfloat16(prefill_dtype, device)
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        if on_cuda:  # graph capture and replay, Triton launches: all on the engine's device
+            torch.cuda.set_device(torch.device(device))
         t0 = time.perf_counter()
-        loaded = load_weights(model_path, progress, keep_blocks=quantization == "auto")
+        if isinstance(model_path, LoadedWeights):
+            loaded, model_path = model_path, model_path.config.name
+        else:
+            loaded = load_weights(model_path, progress, keep_blocks=quantization == "auto")
         c = loaded.config
         try:
             with torch.inference_mode():
                 self.model = LlamaModel(loaded, dtype=DTYPES[dtype], quantization=quantization,
                                         device=device, fused_kernels=kernels,
-                                        prefill_bf16=prefill_bf16)
+                                        prefill_bf16=prefill_bf16,
+                                        decode_attention=decode_attention)
         except ValueError as e:  # e.g. an unsupported rope scaling
             raise ModelLoadError(model_path, str(e)) from e
         del loaded
@@ -98,21 +118,33 @@ class ModelRunner:
         self.num_blocks = num_blocks or self._auto_blocks(per_block, kv_cache_bytes, max_num_seqs, c.max_position)
         if self.num_blocks < 1:
             raise ValueError(f"KV cache too small: kv_cache_bytes must allow one block of {per_block} bytes")
-        self.kv = KVCache(c.num_layers, self.num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                          kv_dtype, device)
+        graphs = on_cuda and cuda_graphs and self.model.decode_attention == "triton"
+        # CUDA graphs: one more block, beyond those the scheduler may hand out, for padded rows
+        self.kv = KVCache(c.num_layers, self.num_blocks + (1 if graphs else 0), block_size, c.num_kv_heads,
+                          c.head_dim, kv_dtype, device)
         self.max_context = min(c.max_position, self.num_blocks * block_size)
         self.sampler = Sampler(device, seed, kernels=kernels)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv, buckets=graph_buckets(max_num_seqs),
+                                       block_size=block_size, max_context=self.max_context,
+                                       scratch_block=self.num_blocks, device=device)
+            self.graphs.capture()
+        elif on_cuda and cuda_graphs:
+            log.warning("cuda_graphs_off", reason="no paged decode kernel (triton did not import)")
         self.load_seconds = time.perf_counter() - t0
         log.info("runner_ready", model=self.model_name, dtype=dtype, quantization=quantization,
                  kv_cache_dtype=kv_cache_dtype, prefill_bfloat16=prefill_bf16,
                  num_blocks=self.num_blocks, block_size=block_size, max_context=self.max_context,
                  kv_cache_mib=round(self.num_blocks * per_block / 2**20, 1),
+                 decode_attention=self.model.decode_attention,
+                 cuda_graph_buckets=list(self.graphs.buckets) if self.graphs else None,
                  load_seconds=round(self.load_seconds, 2), threads=torch.get_num_threads())
 
     def _auto_blocks(self, per_block: int, kv_bytes: int | None, max_num_seqs: int, max_pos: int) -> int:
         if kv_bytes is None:
             if self.device.startswith("cuda"):
-                free, _ = torch.cuda.mem_get_info()
+                free, _ = torch.cuda.mem_get_info(torch.device(self.device))
                 kv_bytes = int(free * _GPU_KV_FRACTION)
             else:
                 kv_bytes = min(int(_available_ram() * _CPU_KV_FRACTION), _CPU_KV_CAP_BYTES)
@@ -151,10 +183,15 @@ class ModelRunner:
                 rows.extend(range(len(ids) - 1 - k, len(ids)))
                 sample_chunks.extend(_draft_rows(c) if k else [c])
         dev = self.device
-        meta = build_metadata(spans, self.block_size, dev)
-        logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
-                                    torch.tensor(positions, dtype=torch.long, device=dev),
-                                    meta, self.kv, torch.tensor(rows, dtype=torch.long, device=dev))
+        if self.graphs is not None and self.graphs.fits(chunks):
+            logits = self.graphs.run(chunks)  # [len(chunks), V]: one row per decode chunk
+            if len(rows) < len(chunks):  # a 1-token chunk that samples nothing
+                logits = logits[to_device(rows, torch.long, dev)]
+        else:
+            meta = build_metadata(spans, self.block_size, dev)
+            logits = self.model.forward(to_device(ids, torch.long, dev),
+                                        to_device(positions, torch.long, dev),
+                                        meta, self.kv, to_device(rows, torch.long, dev))
         out = RunnerOutput(sampled={})
         if sample_chunks:
             checkpoints = {c.seq_id: self.sampler.checkpoint(c.seq_id, c.sampling)

@@ -9,12 +9,18 @@ sequences) or from the sampler's shared one, so a seeded request gives the same 
 whatever else is in the batch. Speculative verification samples every draft position and
 then rewinds a seeded generator to one draw per token kept (`rewind`), so a seeded request
 also gives the same tokens with or without drafts.
+
+On CUDA everything above runs on the device; only the uniforms are drawn on the host, from
+the same generators (so seeded requests and speculation's rewind behave exactly as on the
+CPU), and copied without a wait. Every host -> device copy goes through device.to_device
+and the results come back in one device.to_host: one host synchronisation per step.
 """
 from __future__ import annotations
 
 import torch
 
 from services.engine import cpu_kernels
+from services.engine.device import to_device, to_host
 from services.engine.interface import SampledToken, SamplingParams, SeqChunk, TopLogprob
 
 
@@ -72,23 +78,32 @@ class Sampler:
         token_ids = self._argmax(logits)  # greedy for every row; sampled rows overwritten
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
+            dev = logits.device
             u = torch.cat([torch.rand(1, generator=self._generator(chunks[i].seq_id, params[i]))
-                           for i in rows]).to(logits.device)
-            token_ids[rows] = sample_rows(logits[rows], [params[i] for i in rows], u)
+                           for i in rows])
+            at = to_device(rows, torch.long, dev)
+            token_ids[at] = sample_rows(logits[at], [params[i] for i in rows],
+                                        to_device(u, torch.float32, dev))
 
-        ids = token_ids.tolist()
         out: list[SampledToken] = []
         top_n = max((p.top_logprobs for p in params if p.logprobs), default=0)
         top = torch.topk(logprobs, top_n, dim=-1) if want_lp and top_n > 0 else None
-        chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist() if want_lp else None
+        wanted = [token_ids]
+        if want_lp:
+            wanted.append(logprobs.gather(1, token_ids[:, None]).squeeze(1))
+        if top is not None:
+            wanted += [top.values, top.indices]
+        host = to_host(wanted)  # the step's one synchronisation on CUDA
+        ids = host[0]
+        chosen = host[1] if want_lp else None
         for i, (tid, p) in enumerate(zip(ids, params)):
             if not p.logprobs:
                 out.append(SampledToken(tid))
                 continue
             alts: tuple[TopLogprob, ...] = ()
             if top is not None and p.top_logprobs > 0:
-                vals = top.values[i, :p.top_logprobs].tolist()
-                idx = top.indices[i, :p.top_logprobs].tolist()
+                vals = host[2][i][:p.top_logprobs]
+                idx = host[3][i][:p.top_logprobs]
                 alts = tuple(TopLogprob(t, v) for t, v in zip(idx, vals))
             out.append(SampledToken(tid, chosen[i], alts))
         return out
@@ -104,44 +119,47 @@ def apply_penalties(logits: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tenso
     logits = logits.clone()
     v = logits.shape[1]
     dev = logits.device
-    sub = logits[rows]  # [R, V]
+    at = to_device(rows, torch.long, dev)
+    sub = logits[at]  # [R, V]
     out_counts = torch.zeros_like(sub)
     seen = torch.zeros(sub.shape, dtype=torch.bool, device=dev)
     for r, i in enumerate(rows):
         c = chunks[i]
-        out_ids = torch.tensor(c.output_token_ids, dtype=torch.long, device=dev)
-        prompt_ids = torch.tensor(c.prompt_token_ids, dtype=torch.long, device=dev)
-        out_ids, prompt_ids = out_ids[out_ids < v], prompt_ids[prompt_ids < v]
+        # ids outside the vocabulary dropped on the host (a mask index would wait on CUDA)
+        out_ids = to_device([t for t in c.output_token_ids if t < v], torch.long, dev)
+        prompt_ids = to_device([t for t in c.prompt_token_ids if t < v], torch.long, dev)
         out_counts[r].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=sub.dtype))
         seen[r, out_ids] = True
         seen[r, prompt_ids] = True
-    rep = torch.tensor([chunks[i].sampling.repetition_penalty for i in rows], device=dev)[:, None]
-    pres = torch.tensor([chunks[i].sampling.presence_penalty for i in rows], device=dev)[:, None]
-    freq = torch.tensor([chunks[i].sampling.frequency_penalty for i in rows], device=dev)[:, None]
+    f32 = torch.float32
+    rep = to_device([chunks[i].sampling.repetition_penalty for i in rows], f32, dev)[:, None]
+    pres = to_device([chunks[i].sampling.presence_penalty for i in rows], f32, dev)[:, None]
+    freq = to_device([chunks[i].sampling.frequency_penalty for i in rows], f32, dev)[:, None]
     penalised = torch.where(sub > 0, sub / rep, sub * rep)
     sub = torch.where(seen, penalised, sub)
     sub = sub - freq * out_counts - pres * (out_counts > 0).to(sub.dtype)
-    logits[rows] = sub
+    logits[at] = sub
     return logits
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
     """logits: [R, V] of non-greedy rows; u: [R] uniforms in [0, 1). Returns token ids [R]."""
     dev = logits.device
-    temp = torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    f32 = torch.float32
+    temp = to_device([p.temperature for p in params], f32, dev)[:, None]
     probs = torch.softmax(logits / temp, dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):  # decided on the host: no wait on CUDA
+        min_p = to_device([p.min_p for p in params], f32, dev)
         floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
     need_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
     if need_sort:
         probs, order = torch.sort(probs, dim=-1, descending=True)  # [R, V]
         v = probs.shape[1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else v for p in params], device=dev)
+        top_k = to_device([p.top_k if p.top_k > 0 else v for p in params], torch.long, dev)
         rank = torch.arange(v, device=dev)[None, :]
         probs = torch.where(rank < top_k[:, None], probs, torch.zeros_like(probs))
-        top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+        top_p = to_device([p.top_p for p in params], f32, dev)[:, None]
         before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
         total = probs.sum(dim=-1, keepdim=True)
         # Keep a token while the mass before it is below top_p (the first token always stays).

@@ -143,3 +143,25 @@ def test_runner_rejects_bad_options(tmp_path, weights):
         ModelRunner(path, quantization="int4")
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         ModelRunner(path, kv_cache_bytes=10, num_threads=1)
+
+
+def test_a_state_dict_in_memory_loads_like_its_folder(tmp_path):
+    """loaded_from_state_dict (benchmarks hand it a transformers model's weights) gives the
+    same runner as the saved folder."""
+    from services.engine.interface import Batch, SamplingParams, SeqChunk
+    from services.engine.loader import hf_model_config, loaded_from_state_dict
+
+    weights = tm.random_weights(5, tied=True)
+    folder = tm.write_hf(tmp_path / "hf", weights, tied=True)
+    cfg = hf_model_config(tm.hf_config(tied=True), "tiny")
+    assert cfg.tie_embeddings and cfg.num_kv_heads == tm.KV_HEADS
+    mem = loaded_from_state_dict(cfg, {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]})
+    assert "lm_head" not in mem.tensors
+    outs = []
+    for src in (folder, mem):
+        r = ModelRunner(src, num_blocks=8, num_threads=1)
+        g = SamplingParams()
+        outs.append(r.execute(Batch([SeqChunk(1, [3, 1, 4, 1, 5], 0, [0], True, g)])).sampled[1])
+    assert outs[0] == outs[1]
+    with pytest.raises(ModelLoadError, match="missing"):
+        loaded_from_state_dict(cfg, {k: v for k, v in weights.items() if "layers.1." not in k})

@@ -140,3 +140,14 @@ def test_float16_kv_cache_chunked_prefill_reads_the_cache(tmp_path):
     runner.execute(Batch([SeqChunk(2, prompt[:10], 0, [2, 3], False, g)]))
     chunked = runner.execute(Batch([SeqChunk(2, prompt[10:], 10, [2, 3], True, g)])).sampled[2].token_id
     assert chunked == whole
+
+
+def test_dtype_auto_runs_float32_on_the_cpu(tmp_path):
+    """--dtype auto (the service default) is today's CPU behaviour: float32 compute, and the
+    same tokens as an explicit float32 runner."""
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(4))
+    auto = ModelRunner(path, num_blocks=32, dtype="auto", num_threads=1)
+    ref = ModelRunner(path, num_blocks=32, dtype="float32", num_threads=1)
+    assert auto.dtype == "float32" and auto.kv_cache_dtype == ref.kv_cache_dtype
+    prompt = [(i * 5) % tm.VOCAB for i in range(12)]
+    assert greedy(auto, prompt, 8) == greedy(ref, prompt, 8)

@@ -6,6 +6,8 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 from services.engine.block_manager import BlockManager
 from services.engine.engine_core import EngineCore
 from services.engine.scheduler import Scheduler, SchedulerConfig
@@ -163,6 +165,27 @@ def test_usage_timings_logprobs_and_energy_on_the_last_message():
     assert all(not o.logprobs for o in outs if o.seq_id == 2)
 
 
+def test_energy_is_split_by_tokens_computed_not_equally():
+    """A 40-token prompt beside a 4-token one: each step's joules go by the tokens each
+    request computed in it (an equal split per request would give them the same)."""
+    core, runner = make_core(energy=Joules(), clock=Clock(), budget=64)
+    a = make_seq(1, 40, max_tokens=3, speculation=False)
+    b = make_seq(2, 4, max_tokens=3, speculation=False)
+    core.add(a)
+    core.add(b)
+    outs = drain(core)
+    expected = {1: 0.0, 2: 0.0}
+    for batch in runner.batches:  # Joules: 2 J between the reads around each step
+        step_tokens = batch.num_tokens
+        for c in batch.chunks:
+            expected[c.seq_id] += 2.0 * len(c.token_ids) / step_tokens
+    got = {o.seq_id: o.final.energy_joules for o in outs if o.finished}
+    assert got[1] == pytest.approx(expected[1]) and got[2] == pytest.approx(expected[2])
+    assert got[1] + got[2] == pytest.approx(2.0 * len(runner.batches))
+    # both prompts whole in the first step (40 vs 4 tokens), then one token each per step
+    assert got[1] - got[2] == pytest.approx(2.0 * (40 - 4) / 44)
+
+
 def test_a_failing_step_ends_its_requests_with_error_and_the_engine_goes_on():
     core, runner = make_core()
     core.add(make_seq(1, 5, max_tokens=5))
@@ -205,3 +228,21 @@ def test_metrics_observer_counts_tokens_latencies_and_finishes():
         "tokenserve_engine_inter_token_latency_seconds_count"] == 9
     assert value("tokenserve_engine_requests_total", {"finish_reason": "length"}) - stopped == 3
     assert value("tokenserve_engine_kv_blocks_free") == 256
+
+
+def test_energy_metrics_count_joules_and_tokens_per_joule():
+    from prometheus_client import REGISTRY
+
+    from services.engine.metrics import EngineMetrics
+
+    joules_before = REGISTRY.get_sample_value("tokenserve_engine_energy_joules_total") or 0.0
+    core, runner = make_core(observer=EngineMetrics(), energy=Joules(), clock=Clock())
+    for i in range(2):
+        core.add(make_seq(i + 1, 8, max_tokens=3, speculation=False))
+    drain(core)
+    joules = 2.0 * len(runner.batches)
+    assert REGISTRY.get_sample_value("tokenserve_engine_energy_joules_total") - joules_before \
+        == pytest.approx(joules)
+    # (8 prompt + 3 completion) tokens each, over the joules they were given
+    assert REGISTRY.get_sample_value("tokenserve_engine_tokens_per_joule") \
+        == pytest.approx(2 * 11 / joules)
