@@ -240,6 +240,16 @@ class Pipeline:
                             attempt.first_token_at = time.monotonic()
                             metrics.TIME_TO_FIRST_TOKEN.labels(caller.tier).observe(
                                 attempt.first_token_at - arrived)
+                        if chunk.finish_reason is FinishReason.CANCELLED:
+                            # The engine ended the request itself while this gateway still
+                            # listened: its deadline passed there (the engine's clock may
+                            # beat the caller's). Not a short OK answer.
+                            self._ended(progress, attempt, "DEADLINE_EXCEEDED", prepared)
+                            if chunk.token_ids:
+                                chunk.finish_reason = None
+                                yield chunk
+                            raise DeadlineExceeded(f"deadline of {timeout:.3g}s passed; the"
+                                                   " engine stopped the request")
                         if chunk.finish_reason is not None:
                             self._ended(progress, attempt, "OK", prepared,
                                         engine_chunk.engine_ttft_s)

@@ -4,7 +4,8 @@ protos; the text they produce is meaningless. Tests of real generation use the r
 
 Fake tokenizer: one token per whitespace-separated word; a chat costs its words plus 2 per
 message plus 1 for the generation prompt. Fake engine: emits max_tokens tokens ("w0 w1 ..."),
-`delay` seconds apart, noticing a cancelled call between tokens; `fail_with` refuses every
+`delay` seconds apart, noticing a cancelled call between tokens (with `expire_within` set, it
+ends a request itself that close to the caller's deadline, as the real engine does); `fail_with` refuses every
 call, or with `fail_every=n` every n-th one. Given `load` (a LoadReport), it streams that report
 from WatchLoad every 0.2 s (change `servicer.load` to report another load); without, WatchLoad
 is UNIMPLEMENTED, as on an engine that publishes no load. Every fake server serves
@@ -58,6 +59,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.delay = delay
         self.fail_with = fail_with
         self.fail_every = fail_every
+        # seconds before the caller's deadline at which the engine ends the request itself
+        self.expire_within: float | None = None
         self.requests: list[engine_pb2.GenerateRequest] = []
         self._lock = threading.Lock()
         self.cancelled: list[str] = []
@@ -74,6 +77,15 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         for i in range(request.max_tokens):
             if self.delay:
                 time.sleep(self.delay)
+            left = context.time_remaining()
+            if self.expire_within is not None and left is not None and left < self.expire_within:
+                # as the real engine does when a request's deadline passes in its queue or
+                # batch: it ends the stream itself, finish reason cancelled
+                yield engine_pb2.GenerateResponse(
+                    finish_reason=common_pb2.FINISH_REASON_CANCELLED,
+                    usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
+                                           completion_tokens=i))
+                return
             if not context.is_active():
                 self.cancelled.append(request.request_id)
                 self.cancel_seen.set()

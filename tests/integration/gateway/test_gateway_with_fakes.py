@@ -169,6 +169,25 @@ def test_client_cancel_cancels_the_engine_call_and_is_metered(gateway, key, engi
     assert 1 <= int(row["completion_tokens"]) < FREE_MAX_TOKENS
 
 
+def test_an_engine_that_ends_a_request_at_its_deadline_is_deadline_exceeded(
+        gateway, key, engine, meter_stub):
+    # The engine stops a request whose deadline passed (finish reason cancelled) a moment
+    # before the caller's own deadline fires: the caller must not see a short OK answer.
+    stub = gateway.stub()
+    engine.servicer.delay, engine.servicer.expire_within = 0.5, 1.5
+    try:
+        got, details = code_of(lambda: list(stub.Generate(
+            pb.GenerateRequest(prompt="a", max_tokens=FREE_MAX_TOKENS, request_id="expired-1"),
+            metadata=auth(key), timeout=3)))
+    finally:
+        engine.servicer.delay, engine.servicer.expire_within = 0.05, None
+    assert got == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "deadline" in details
+    (row,) = wait_for(lambda: meter_rows(meter_stub, "expired-1"))
+    assert row["status"] == "DEADLINE_EXCEEDED"
+    assert 1 <= int(row["completion_tokens"]) < FREE_MAX_TOKENS
+
+
 def test_deadline_cancels_the_engine_call_and_is_metered(gateway, key, engine, meter_stub):
     stub = gateway.stub()
     engine.servicer.cancel_seen.clear()
