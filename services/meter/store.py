@@ -186,6 +186,7 @@ class Ledger:
         return new
 
     def _roll_up(self, cur, d: rollup.Delta) -> None:
+        # In key order: neighbouring rows of the table, which is clustered by its key.
         rows = sorted((*k, *v.values()) for k, v in d.sums.items())
         if self._postgres:
             cur.execute(self._upsert_hourly, columns(rows, _HOURLY_TYPES))
