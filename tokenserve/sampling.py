@@ -40,7 +40,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty differs from its default (which leaves the logits as they are)."""
+        return (self.repetition_penalty != _DEFAULT.repetition_penalty
+                or self.presence_penalty != _DEFAULT.presence_penalty
+                or self.frequency_penalty != _DEFAULT.frequency_penalty)
 
+
+_DEFAULT = SamplingParams()
 # The controls in the order of the proto message; subclasses add fields after these.
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
 

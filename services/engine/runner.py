@@ -246,7 +246,7 @@ def _draft_rows(c: SeqChunk) -> list[SeqChunk]:
     """One chunk per sampled position of a speculative chunk; row i follows drafts[:i], so
     penalties see the output as it would be there."""
     p = c.sampling
-    if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+    if not p.penalized:
         return [c] * (c.num_draft_tokens + 1)
     drafts = c.draft_token_ids
     return [dataclasses.replace(c, output_token_ids=c.output_token_ids + drafts[:i])

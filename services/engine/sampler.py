@@ -111,9 +111,7 @@ class Sampler:
 
 def apply_penalties(logits: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
     """Repetition (HF/vLLM style, prompt + output), presence and frequency (output only)."""
-    rows = [i for i, c in enumerate(chunks)
-            if c.sampling.repetition_penalty != 1.0 or c.sampling.presence_penalty != 0.0
-            or c.sampling.frequency_penalty != 0.0]
+    rows = [i for i, c in enumerate(chunks) if c.sampling.penalized]
     if not rows:
         return logits
     logits = logits.clone()

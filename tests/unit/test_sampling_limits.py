@@ -114,3 +114,12 @@ def test_unset_controls_reach_the_engine_as_the_shared_defaults():
     engine = sampling_from_pb(engine_request(req, [1], priority=0, tenant_id="t"))
     defaults = sampling.SamplingParams()
     assert all(getattr(engine, f) == getattr(defaults, f) for f in sampling.FIELDS)
+
+
+def test_penalized_means_some_penalty_differs_from_its_default():
+    from tokenserve.sampling import SamplingParams
+    assert not SamplingParams().penalized
+    for change in ({"repetition_penalty": 1.1}, {"presence_penalty": -0.5},
+                   {"frequency_penalty": 0.2}):
+        assert SamplingParams(**change).penalized, change
+    assert not SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3).penalized
