@@ -1,0 +1,209 @@
+"""`tokenserve up` as a user runs it (the real command, the whole suite as real processes on
+ephemeral ports), then faults: a SIGKILLed meter or engine is restarted while the rest keeps
+serving; SIGTERM stops everything.
+
+Tests share one running suite and run in file order: the faults come last, the SIGTERM last
+of all.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from controlplane.service_process import ROOT
+from tokenserve.gateway.v1 import gateway_pb2 as pb
+from tokenserve.gateway.v1 import gateway_pb2_grpc
+from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(predicate, timeout=30.0, interval=0.1):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if value := predicate():
+            return value
+        time.sleep(interval)
+    return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class Up:
+    """The `tokenserve up` process: its output, its up.json, a client of its gateway."""
+
+    def __init__(self, data_dir: Path):
+        self.data_dir = data_dir
+        self.out_path = data_dir / "up.out"
+        self.out = open(self.out_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "controlplane.launcher", "up", "--ephemeral-ports",
+             "--data-dir", str(data_dir / "var")], cwd=ROOT, stdout=self.out,
+            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.key = ""
+        self.channel: grpc.Channel | None = None
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def wait_output(self, text: str, timeout: float) -> bool:
+        def seen():
+            if self.proc.poll() is not None and text not in self.output():
+                raise AssertionError(f"tokenserve up exited ({self.proc.returncode}):\n"
+                                     + self.output()[-3000:])
+            return text in self.output()
+        return bool(wait_for(seen, timeout, 0.2))
+
+    def start(self):
+        assert self.wait_output("Press Ctrl-C to stop.", 600), self.output()[-3000:]
+        self.key = re.search(r"API key \(shown once\):\n  (ts-\S+)", self.output()).group(1)
+        self.channel = grpc.insecure_channel(self.address("gateway"))
+        self.api = gateway_pb2_grpc.InferenceServiceStub(self.channel)
+
+    @property
+    def state(self) -> dict:
+        return json.loads((self.data_dir / "var" / "up.json").read_text())
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.state['ports'][name]}"
+
+    @property
+    def auth(self):
+        return (("authorization", f"Bearer {self.key}"),)
+
+    def generate(self, prompt="Hello", max_tokens=2, request_id="", timeout=60):
+        return list(self.api.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens,
+                                                         request_id=request_id),
+                                      metadata=self.auth, timeout=timeout))
+
+    def all_pids(self) -> list[int]:
+        state = self.state
+        return [*state["pids"].values(), state["etcd_pid"]]
+
+    def stop(self):
+        if self.channel is not None:
+            self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.out.close()
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    u = Up(tmp_path_factory.mktemp("up"))
+    try:
+        u.start()
+        yield u
+    finally:
+        u.stop()
+
+
+def meter_rows(up: Up, request_ids: set[str]) -> set[tuple[str, str]]:
+    """(request id, source) of the meter's rows (both sources) for request_ids."""
+    csv = ""
+    with grpc.insecure_channel(up.address("meter")) as ch:
+        meter = meter_pb2_grpc.MeterServiceStub(ch)
+        for source in (meter_pb2.SOURCE_GATEWAY, meter_pb2.SOURCE_ENGINE):
+            try:
+                csv += "".join(c.data for c in meter.ExportCsv(
+                    meter_pb2.QueryUsageRequest(source=source), timeout=10))
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+                return set()
+    fields = [line.split(",") for line in csv.splitlines()]
+    return {(f[1], f[2]) for f in fields if f[1] in request_ids}
+
+
+def metric(up: Up, service: str, name: str) -> float:
+    port = up.state["ports"][f"{service}_metrics"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not in {service}'s /metrics")
+
+
+def test_a_killed_meter_is_restarted_and_the_usage_spooled_meanwhile_arrives(up):
+    up.generate()  # warm: the first request of a fresh engine is slower
+    meter_pid = up.state["pids"]["meter"]
+    # The launcher is paused while the meter is down, so that the outage outlasts the
+    # requests whatever the machine's speed; it notices the exit once resumed.
+    up.proc.send_signal(signal.SIGSTOP)
+    try:
+        os.kill(meter_pid, signal.SIGKILL)
+        served_while_down = [f"meter-down-{i}" for i in range(3)]
+        for rid in served_while_down:
+            chunks = up.generate(request_id=rid)
+            assert chunks[-1].usage.completion_tokens > 0
+        spooled = {s: metric(up, s, f"tokenserve_{s}_usage_spool_events")
+                   for s in ("gateway", "engine")}
+        assert spooled["gateway"] >= 3 and spooled["engine"] >= 3, spooled
+    finally:
+        up.proc.send_signal(signal.SIGCONT)
+    assert up.wait_output("meter is serving again", 60), up.output()[-2000:]
+    assert "meter exited with code -9; restart 1 in 0.5 s" in up.output()
+    assert up.state["restarts"] == {"meter": 1}
+    assert up.state["pids"]["meter"] != meter_pid
+    wanted = {(rid, src) for rid in served_while_down for src in ("gateway", "engine")}
+    assert wait_for(lambda: meter_rows(up, set(served_while_down)) >= wanted, 60), (
+        "usage spooled while the meter was down never reached it")
+    assert wait_for(lambda: all(metric(up, s, f"tokenserve_{s}_usage_spool_events") == 0
+                                for s in ("gateway", "engine")), 30)
+
+
+def test_a_killed_engine_is_unavailable_until_restarted_then_serves(up):
+    engine_pid = up.state["pids"]["engine"]
+    killed = time.monotonic()
+    os.kill(engine_pid, signal.SIGKILL)
+    codes = set()
+    while "engine is serving again" not in up.output():
+        try:
+            up.generate(timeout=30)
+            codes.add("OK")
+        except grpc.RpcError as e:
+            codes.add(e.code().name)
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+            assert "engine" in e.details()
+        assert time.monotonic() - killed < 300, up.output()[-2000:]
+        time.sleep(0.2)
+    assert "UNAVAILABLE" in codes
+    assert "engine exited with code -9; restart 1 in 0.5 s" in up.output()
+
+    def served():
+        try:
+            return up.generate(timeout=30)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+            return None
+    assert wait_for(served, 30), "the restarted engine never served"
+    print(f"engine back and serving {time.monotonic() - killed:.1f} s after SIGKILL")
+    assert up.state["restarts"] == {"meter": 1, "engine": 1}
+
+
+def test_sigterm_stops_everything_and_leaves_nothing_running(up):
+    pids = up.all_pids()
+    assert all(alive(p) for p in pids)
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(120) == 0
+    assert "stopped: gateway=0, engine=0, tokenizer=0, meter=0" in up.output()
+    assert [p for p in pids if alive(p)] == []
