@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from tokenserve.runtime.errors import InvalidArgument
 from tokenserve.sampling import SamplingParams, check_sampling, check_stop, check_top_logprobs
+from tokenserve.text import check_no_nul
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1000
@@ -61,6 +62,7 @@ def check_messages(messages: tuple[Message, ...] | None) -> None:
         if m.role not in CHAT_ROLES:
             raise InvalidArgument(
                 f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}")
+        check_no_nul(m.content, f"messages[{i}].content")
         total += len(m.content)
     if not any(m.content for m in messages):
         raise InvalidArgument("messages: every content is empty")
@@ -73,6 +75,7 @@ def check_prompt(prompt: str | None) -> None:
         raise InvalidArgument("prompt must not be empty")
     if len(prompt) > MAX_PROMPT_CHARS:
         raise InvalidArgument(f"prompt is {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
+    check_no_nul(prompt, "prompt")
 
 
 def validate(req: InferenceRequest, *, tier_cap: int, tier: str) -> InferenceRequest:
@@ -87,6 +90,7 @@ def validate(req: InferenceRequest, *, tier_cap: int, tier: str) -> InferenceReq
     check_top_logprobs(req.top_logprobs)
     if len(req.app) > MAX_APP_CHARS:
         raise InvalidArgument(f"app is {len(req.app)} characters; at most {MAX_APP_CHARS}")
+    check_no_nul(req.app, "app")  # the meter refuses a usage record with one
     if req.request_id and not _REQUEST_ID_RE.match(req.request_id):
         raise InvalidArgument(
             "request_id must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
