@@ -21,9 +21,8 @@ from services.gateway.inference import ConfigSource, Pipeline
 from services.gateway.quota_store import (MemoryQuotaStore, NoQuotaStore, QuotaStore,
                                           RedisQuotaStore)
 from services.gateway.routing import Router
-from services.gateway.servicer import InferenceServicer
+from services.gateway.servicer import InferenceServicer, add_to_server
 
-from tokenserve.gateway.v1 import gateway_pb2_grpc
 from tokenserve.runtime.channels import aio_channel
 from tokenserve.runtime.errors import ServiceError
 from tokenserve.runtime.logging import configure_logging
@@ -130,7 +129,7 @@ def build(config: GatewayConfig,
                          max_body_bytes=options.max_message_bytes)
     server = GrpcServer(
         "gateway",
-        [Registration(SERVICE_NAME, gateway_pb2_grpc.add_InferenceServiceServicer_to_server,
+        [Registration(SERVICE_NAME, add_to_server,
                       InferenceServicer(pipeline, config.request_timeout_seconds, meter))],
         options, on_stop=([http.stop] if http else []) + [close_all])
     return server, sender, http

@@ -15,6 +15,7 @@ from services.gateway.validation import (InferenceRequest, Message, check_messag
 from tokenserve import sampling
 from tokenserve.common.v1 import common_pb2
 from tokenserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tokenserve.runtime import wire
 from tokenserve.runtime.errors import ServiceError, Unavailable
 from tokenserve.sampling import SamplingParams
 
@@ -63,6 +64,12 @@ def chunk_to_pb(chunk: Chunk, *, first: bool) -> gateway_pb2.GenerateResponse:
     return resp
 
 
+def add_to_server(servicer: "InferenceServicer", server) -> None:
+    """The generated `add_InferenceServiceServicer_to_server`, but invalid UTF-8 in a request
+    is INVALID_ARGUMENT naming the field (tokenserve.runtime.wire), not UNKNOWN."""
+    wire.add_servicer(servicer, server, gateway_pb2, "InferenceService")
+
+
 class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
     def __init__(self, pipeline: Pipeline, default_timeout: float,
                  meter: MeterClient | None = None):
@@ -82,6 +89,7 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
         try:
             caller = self._caller(context)
             tier = caller.tier
+            request = wire.parsed(request)
             req = validate(request_from_pb(request, chat=chat), tier_cap=caller.max_tokens,
                            tier=caller.tier)
             first = True
@@ -111,12 +119,12 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
             async for resp in s:
                 yield resp
 
-    async def _unary(self, method: str, context, fn):
+    async def _unary(self, method: str, request, context, fn):
         tier, code = "none", "OK"
         try:
             caller = self._caller(context)
             tier = caller.tier
-            return await fn()
+            return await fn(wire.parsed(request))
         except ServiceError as e:
             code = e.code.name
             raise
@@ -124,7 +132,7 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
             metrics.REQUESTS.labels(method, tier, code).inc()
 
     async def CountTokens(self, request, context):
-        async def count():
+        async def count(request):
             which = request.WhichOneof("input")
             if which == "chat":
                 messages = _messages(request.chat.messages)
@@ -136,24 +144,24 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
             n = await self._pipeline.count_tokens(req, self._timeout(context))
             return gateway_pb2.CountTokensResponse(count=n)
 
-        return await self._unary("CountTokens", context, count)
+        return await self._unary("CountTokens", request, context, count)
 
     async def ListModels(self, request, context):
-        async def models():
+        async def models(_request):
             infos = self._pipeline.router.models(self._pipeline.snapshot)
             return gateway_pb2.ListModelsResponse(models=[
                 gateway_pb2.Model(name=m.name, max_context=m.max_context, versions=[
                     gateway_pb2.ModelVersion(version=v, weight=w) for v, w in m.versions])
                 for m in infos])
 
-        return await self._unary("ListModels", context, models)
+        return await self._unary("ListModels", request, context, models)
 
     async def GetUsage(self, request, context):
-        async def usage():
+        async def usage(request):
             if self._meter is None:
                 raise Unavailable("this gateway has no meter to read usage from")
             query = tenant_usage_query(self._caller(context), request)
             resp = await self._meter.query(query, self._timeout(context))
             return gateway_pb2.GetUsageResponse(rows=resp.rows)
 
-        return await self._unary("GetUsage", context, usage)
+        return await self._unary("GetUsage", request, context, usage)
