@@ -26,7 +26,7 @@ from tokenserve.gateway.v1 import gateway_pb2 as pb
 SERVICE = "tokenserve.gateway.v1.InferenceService"
 STREAMING = {"Generate", "Chat"}
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-LONG_STORY = "Tell me a very long story about a lighthouse keeper and the sea."
+LONG_COUNT = "Count from 1 to 1000: 1, 2, 3, 4, 5,"  # the model goes on for hundreds of tokens
 
 
 @dataclass(frozen=True)
@@ -282,9 +282,9 @@ CASES: list[Case] = [
          gen(max_tokens=16, request_id="reused-1"), "ALREADY_EXISTS",
          ("request_id 'reused-1' is already in flight",), 409, "conflict_error",
          scenario="reuse"),
-    Case("a 0.5 s deadline on a long generation", gen(LONG_STORY, max_tokens=2000),
+    Case("a 0.5 s deadline on a long generation", gen(LONG_COUNT, max_tokens=2000),
          "DEADLINE_EXCEEDED", ("Deadline Exceeded",), None, scenario="deadline", needs="suite"),
-    Case("a client cancel after one token", gen(LONG_STORY, max_tokens=2000), "CANCELLED",
+    Case("a client cancel after one token", gen(LONG_COUNT, max_tokens=2000), "CANCELLED",
          ("Locally cancelled",), None, scenario="cancel", needs="suite"),
 ]
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +22,8 @@ import grpc
 import pytest
 
 from controlplane.service_process import ROOT
+from tests.bad_input import cases, grpc_call, grpc_outcome, ids
+from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.gateway.v1 import gateway_pb2 as pb
 from tokenserve.gateway.v1 import gateway_pb2_grpc
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
@@ -132,6 +135,73 @@ def meter_rows(up: Up, request_ids: set[str]) -> set[tuple[str, str]]:
                 return set()
     fields = [line.split(",") for line in csv.splitlines()]
     return {(f[1], f[2]) for f in fields if f[1] in request_ids}
+
+
+def engine_idle(up: Up) -> engine_pb2.GetInfoResponse | None:
+    """The engine's GetInfo once nothing runs or waits and every KV block is free."""
+    with grpc.insecure_channel(up.address("engine")) as ch:
+        info = engine_pb2_grpc.EngineServiceStub(ch).GetInfo(engine_pb2.GetInfoRequest(),
+                                                             timeout=10)
+    idle = (info.running, info.waiting, info.kv_blocks_free) == (0, 0, info.kv_blocks_total)
+    return info if idle else None
+
+
+def http_stream_first_event(up: Up, case) -> bytes:
+    """Sends the case's HTTP request with `stream: true`, reads the first event, leaves."""
+    import http.client
+
+    body = json.dumps({**case.request.http.body, "stream": True})
+    conn = http.client.HTTPConnection("127.0.0.1", up.state["ports"]["gateway_http"], timeout=60)
+    try:
+        conn.request("POST", "/v1" + case.request.http.path, body,
+                     {"authorization": f"Bearer {up.key}", "content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        return resp.readline()
+    finally:
+        conn.close()  # the client goes away mid-stream
+
+
+def http_gives_up_after(up: Up, case, seconds: float) -> None:
+    import socket
+
+    req = urllib.request.Request(f"http://127.0.0.1:{up.state['ports']['gateway_http']}/v1"
+                                 + case.request.http.path, data=case.request.http.data(),
+                                 headers={"authorization": f"Bearer {up.key}",
+                                          "content-type": "application/json"})
+    with pytest.raises((TimeoutError, socket.timeout, urllib.error.URLError)):
+        urllib.request.urlopen(req, timeout=seconds).read()
+
+
+@pytest.mark.parametrize("case", cases("suite"), ids=ids(cases("suite")))
+def test_bad_input_that_needs_the_real_engine_frees_its_kv_blocks(up, case):
+    auth = f"Bearer {up.key}"
+    assert wait_for(lambda: engine_idle(up), 30), "the engine was busy before the case"
+    if case.scenario == "deadline":
+        started = time.monotonic()
+        code, details = grpc_outcome(up.channel, case.request, auth, timeout=0.5)
+        assert time.monotonic() - started < 5
+    else:
+        call = grpc_call(up.channel, case.request, auth, timeout=120)
+        assert next(call)  # one token arrived
+        call.cancel()
+        try:
+            list(call)
+            code, details = "OK", ""
+        except grpc.RpcError as e:
+            code, details = e.code().name, e.details()
+    assert code == case.code, details
+    assert all(w in details for w in case.words), details
+    info = wait_for(lambda: engine_idle(up), 10)
+    assert info, "the engine still holds the request's KV blocks"
+
+    # over HTTP the client leaves (there is no status to see): the engine call is cancelled
+    assert case.http_status is None
+    if case.scenario == "deadline":
+        http_gives_up_after(up, case, 0.5)
+    else:
+        assert http_stream_first_event(up, case).startswith(b"data: ")
+    assert wait_for(lambda: engine_idle(up), 10), "the HTTP call's KV blocks were not freed"
 
 
 def metric(up: Up, service: str, name: str) -> float:
