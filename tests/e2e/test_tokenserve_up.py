@@ -22,7 +22,8 @@ import grpc
 import pytest
 
 from controlplane.service_process import ROOT
-from tests.bad_input import cases, grpc_call, grpc_outcome, ids
+from tests.bad_input import cases, gen, grpc_call, grpc_outcome, ids
+from tokenserve.common.v1 import common_pb2
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.gateway.v1 import gateway_pb2 as pb
 from tokenserve.gateway.v1 import gateway_pb2_grpc
@@ -202,6 +203,122 @@ def test_bad_input_that_needs_the_real_engine_frees_its_kv_blocks(up, case):
     else:
         assert http_stream_first_event(up, case).startswith(b"data: ")
     assert wait_for(lambda: engine_idle(up), 10), "the HTTP call's KV blocks were not freed"
+
+
+def etcd_text(up: Up) -> str:
+    """Every key and value in etcd, one per line."""
+    from aetcd import rpc
+
+    with grpc.insecure_channel(up.address("etcd")) as ch:
+        resp = rpc.KVStub(ch).Range(rpc.RangeRequest(key=b"\0", range_end=b"\0"), timeout=10)
+    return "\n".join(f"{kv.key.decode(errors='replace')} {kv.value.decode(errors='replace')}"
+                     for kv in resp.kvs)
+
+
+def sqlite_text(db: Path) -> str:
+    """Every value in every row of every table of a SQLite database."""
+    import contextlib
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        return "\n".join(v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+                         for t in tables for row in conn.execute(f'SELECT * FROM "{t}"')
+                         for v in row)
+
+
+def everything_written(up: Up) -> dict[str, str]:
+    """Where secrets could leak -> its text: every file under the data dir as raw bytes
+    (logs, SQLite files and their WALs, config snapshots, etcd's own files), the rows of
+    every SQLite database, etcd's keys and values through its API, and every /metrics."""
+    found: dict[str, str] = {}
+    var = up.data_dir / "var"
+    for path in sorted(p for p in var.rglob("*") if p.is_file()):
+        found[str(path.relative_to(var))] = path.read_bytes().decode("latin-1")
+        if path.suffix == ".db":
+            found[f"{path.name} rows"] = sqlite_text(path)
+    found["etcd keys and values"] = etcd_text(up)
+    for service in ("gateway", "tokenizer", "engine", "meter"):
+        port = up.state["ports"][f"{service}_metrics"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            found[f"{service} /metrics"] = r.read().decode()
+    return found
+
+
+def where(text: str, found: dict[str, str]) -> list[str]:
+    return [name for name, content in found.items() if text in content]
+
+
+def test_no_key_prompt_or_completion_in_anything_the_suite_wrote(up):
+    import hashlib
+    import uuid
+
+    from controlplane.schema import hash_api_key
+
+    marker = f"quokka{uuid.uuid4().hex[:12]}"
+    prompt = f"Repeat this word three times: {marker}"
+    tsctl = [sys.executable, "-m", "controlplane.tsctl", "--endpoints", up.address("etcd")]
+    out = subprocess.run([*tsctl, "--json", "key", "issue", "demo"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    second_key = json.loads(out.stdout)["key"]
+    keys = [up.key, second_key]
+
+    completions = []
+    chunks = up.generate(prompt, max_tokens=24, request_id="scan-grpc")
+    completions.append("".join(c.text for c in chunks))
+    chat = up.api.Chat(pb.ChatRequest(messages=[
+        common_pb2.ChatMessage(role="user", content=prompt)], max_tokens=24),
+        metadata=(("authorization", f"Bearer {second_key}"),), timeout=60)
+    completions.append("".join(c.text for c in chat))
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{up.state['ports']['gateway_http']}/v1/chat/completions",
+        data=json.dumps({"messages": [{"role": "user", "content": prompt}],
+                         "max_tokens": 24}).encode(),
+        headers={"authorization": f"Bearer {up.key}", "content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        completions.append(json.loads(r.read())["choices"][0]["message"]["content"])
+    # a refused request too: its text must not be quoted in the error log either
+    assert grpc_outcome(up.channel, gen(prompt + "\x00"), f"Bearer {up.key}")[0] == \
+        "INVALID_ARGUMENT"
+    out = subprocess.run([*tsctl, "key", "revoke", second_key[:10]], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    completions = [c.strip() for c in completions if len(c.strip()) >= 12]
+    assert completions, "no completion long enough to search for"
+    # the usage of these requests is in the meter before the scan
+    assert wait_for(lambda: meter_rows(up, {"scan-grpc"}) == {("scan-grpc", "gateway"),
+                                                              ("scan-grpc", "engine")}, 30)
+
+    found = everything_written(up)
+    assert "meter.db rows" in found and "gateway-spool.db rows" in found
+    assert "engine-spool.db rows" in found and "logs/gateway.log" in found
+    for key in keys:
+        assert where(key, found) == [], f"an API key is stored in {where(key, found)}"
+        assert where(key[10:30], found) == [], "part of an API key beyond its display prefix"
+        # what is kept instead: the hash (etcd) and the display prefix
+        assert where(hash_api_key(key), found)
+        assert where(key[:10], found)
+    assert where(marker, found) == [], f"the prompt is stored in {where(marker, found)}"
+    for text in completions:
+        assert where(text, found) == [], f"a completion is stored in {where(text, found)}"
+    assert where(hashlib.sha256(marker.encode()).hexdigest(), found) == []
+
+    # the scan does find what is there: a log line and an etcd value holding them
+    from aetcd import rpc
+
+    planted = up.data_dir / "var" / "logs" / "planted.log"
+    planted.write_text(f"{marker} {completions[0]}\n")
+    with grpc.insecure_channel(up.address("etcd")) as ch:
+        kv = rpc.KVStub(ch)
+        kv.Put(rpc.PutRequest(key=b"/planted", value=up.key.encode()), timeout=10)
+        try:
+            found = everything_written(up)
+            assert where(marker, found) == where(completions[0], found) == ["logs/planted.log"]
+            assert "etcd keys and values" in where(up.key, found)
+        finally:
+            planted.unlink()
+            kv.DeleteRange(rpc.DeleteRangeRequest(key=b"/planted"), timeout=10)
 
 
 def metric(up: Up, service: str, name: str) -> float:
