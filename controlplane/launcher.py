@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -32,6 +33,7 @@ from controlplane.store import ConfigStore
 from controlplane.supervision import CrashHistory, GiveUp, RestartPolicy
 from tokenserve.runtime.errors import ServiceError
 from tokenserve.runtime.ports import free_port
+from tokenserve.runtime.service_token import METER_TOKEN_ENV
 from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default_model_path
 
 DEMO_TENANT = "demo"
@@ -70,6 +72,8 @@ class Suite:
     etcd: EtcdProcess | None = None
     # Restarts per process since start (see supervise).
     restarts: dict[str, int] = field(default_factory=dict)
+    # Set: the meter demands it of every caller; the gateway and the engine send it.
+    meter_token: str | None = field(default=None, repr=False)
 
     @property
     def etcd_endpoint(self) -> str:
@@ -130,8 +134,10 @@ class Suite:
         return asyncio.run(issue())
 
     def _process(self, name: str) -> ServiceProcess:
+        env = ({METER_TOKEN_ENV: self.meter_token}
+               if self.meter_token and name in ("meter", "gateway", "engine") else {})
         return ServiceProcess(f"services.{name}", self._args(name), getattr(self.ports, name),
-                              log_path=self.data_dir / "logs" / f"{name}.log")
+                              log_path=self.data_dir / "logs" / f"{name}.log", env=env)
 
     def _args(self, name: str) -> list[str]:
         p = self.ports
@@ -290,11 +296,28 @@ def curl_command(key: str, base_url: str) -> str:
             f" -H 'content-type: application/json' -d '{body}'")
 
 
+def _token_path(data_dir: Path) -> Path:
+    return data_dir / "meter-token"
+
+
+def _meter_token(data_dir: Path) -> str:
+    """A fresh service token for the meter, also written (owner-only) for tsctl."""
+    token = secrets.token_urlsafe(32)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = _token_path(data_dir)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
 def _up(args) -> int:
     data_dir = Path(args.data_dir).resolve()
     ports = SuitePorts.ephemeral() if args.ephemeral_ports else SuitePorts()
     suite = Suite(data_dir, ports, model_path=Path(args.model_path) if args.model_path else None,
-                  engine_args=tuple(args.engine_arg), say=lambda m: print(m, flush=True))
+                  engine_args=tuple(args.engine_arg), say=lambda m: print(m, flush=True),
+                  meter_token=_meter_token(data_dir))
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -308,8 +331,10 @@ def _up(args) -> int:
         print("Try it:\n  " + grpcurl_command(key, suite.address("gateway")) + "\n")
         print(f"OpenAI-compatible HTTP API: {suite.http_url}\n  "
               + curl_command(key, suite.http_url) + "\n")
-        print("Admin: tsctl --endpoints " + suite.etcd_endpoint + " status\nPress Ctrl-C to stop.",
-              flush=True)
+        print("Admin: tsctl --endpoints " + suite.etcd_endpoint + " status")
+        print(f"Usage: TOKENSERVE_METER_TOKEN=$(cat {_token_path(data_dir)}) tsctl usage --meter"
+              f" {suite.address('meter')}  (the meter wants its service token)")
+        print("Press Ctrl-C to stop.", flush=True)
         print(suite.supervise(), file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:

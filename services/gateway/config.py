@@ -1,7 +1,7 @@
 """Gateway settings, validated on construction (main.py is the only place that reads flags)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenserve.models import DEFAULT_MODEL_NAME
 from tokenserve.runtime.config import check_endpoint, check_ports
@@ -64,6 +64,8 @@ class GatewayConfig:
     # Registration in etcd (gateway id; empty: host:port).
     gateway_id: str = ""
     log_level: str = "info"
+    # The meter's service token, sent on every meter call (None: the meter wants none).
+    meter_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         check_ports(self.port, self.metrics_port)

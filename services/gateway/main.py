@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from pathlib import Path
 
 import structlog
@@ -27,6 +28,7 @@ from tokenserve.runtime.channels import aio_channel
 from tokenserve.runtime.errors import ServiceError
 from tokenserve.runtime.logging import configure_logging
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
+from tokenserve.runtime.service_token import METER_TOKEN_ENV
 from tokenserve.runtime.config import add_server_args
 from tokenserve.spool import DURABILITIES, SpoolSender, UsageSpool
 
@@ -77,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             spool_durability=a.spool_durability, default_model=a.default_model,
             request_timeout_seconds=a.request_timeout, quota_store=a.quota_store,
             quota_fail=a.quota_fail, gateway_id=a.gateway_id,
-            log_level=a.log_level)
+            log_level=a.log_level, meter_token=os.environ.get(METER_TOKEN_ENV) or None)
     except ValueError as e:
         p.error(str(e))
 
@@ -100,7 +102,8 @@ def build(config: GatewayConfig,
     then flushes the sender."""
     spool = UsageSpool(config.spool_path, config.spool_durability)
     metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
-    meter_channel, tokenizer_channel = aio_channel(config.meter), aio_channel(config.tokenizer)
+    meter_channel = aio_channel(config.meter, token=config.meter_token)
+    tokenizer_channel = aio_channel(config.tokenizer)
     meter = MeterClient(meter_channel)
     sender = SpoolSender(spool, meter.record,
                          batch_size=config.spool_batch_size,

@@ -1,9 +1,13 @@
 """`python -m services.meter --port 50054 --metrics-port 9104 --db var/meter.db
-[--etcd-endpoints 127.0.0.1:2379]`"""
+[--etcd-endpoints 127.0.0.1:2379]`
+
+With $TOKENSERVE_METER_TOKEN set, every MeterService call must carry `authorization: Bearer
+<that token>` (the gateway, the engines and tsctl send it from the same variable)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from pathlib import Path
 
 from services.meter.config import MeterConfig
@@ -15,6 +19,7 @@ from tokenserve.meter.v1 import meter_pb2_grpc
 from tokenserve.runtime.config import add_server_args
 from tokenserve.runtime.logging import configure_logging
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
+from tokenserve.runtime.service_token import METER_TOKEN_ENV, RequireToken
 
 SERVICE_NAME = "tokenserve.meter.v1.MeterService"
 
@@ -40,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> MeterConfig:
             host=a.host, port=a.port, metrics_port=a.metrics_port, db=a.db,
             max_age_seconds=a.max_age_seconds, max_ahead_seconds=a.max_ahead_seconds,
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
-            config_snapshot=a.config_snapshot, log_level=a.log_level)
+            config_snapshot=a.config_snapshot, log_level=a.log_level,
+            token=os.environ.get(METER_TOKEN_ENV) or None)
     except ValueError as e:
         p.error(str(e))
 
@@ -70,10 +76,11 @@ async def serve(config: MeterConfig) -> int:
         "meter",
         [Registration(SERVICE_NAME, meter_pb2_grpc.add_MeterServiceServicer_to_server, servicer)],
         ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port),
-        on_stop=[servicer.close, *on_stop])
+        on_stop=[servicer.close, *on_stop],
+        interceptors=(RequireToken(config.token, "tokenserve.meter.v1."),) if config.token else ())
     log.info("ledger_open", backend="postgresql" if config.postgres else "sqlite",
              journal_mode=ledger.journal_mode(), schema_version=ledger.schema_version,
-             tenant_check=known_tenants is not None)
+             tenant_check=known_tenants is not None, token_required=config.token is not None)
     await server.run()
     return 0
 

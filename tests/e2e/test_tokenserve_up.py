@@ -84,6 +84,10 @@ class Up:
     def state(self) -> dict:
         return json.loads((self.data_dir / "var" / "up.json").read_text())
 
+    @property
+    def meter_token(self) -> str:
+        return (self.data_dir / "var" / "meter-token").read_text().strip()
+
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.state['ports'][name]}"
 
@@ -130,7 +134,8 @@ def meter_rows(up: Up, request_ids: set[str]) -> set[tuple[str, str]]:
         for source in (meter_pb2.SOURCE_GATEWAY, meter_pb2.SOURCE_ENGINE):
             try:
                 csv += "".join(c.data for c in meter.ExportCsv(
-                    meter_pb2.QueryUsageRequest(source=source), timeout=10))
+                    meter_pb2.QueryUsageRequest(source=source), timeout=10,
+                    metadata=(("authorization", f"Bearer {up.meter_token}"),)))
             except grpc.RpcError as e:
                 assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
                 return set()
@@ -205,6 +210,26 @@ def test_bad_input_that_needs_the_real_engine_frees_its_kv_blocks(up, case):
     assert wait_for(lambda: engine_idle(up), 10), "the HTTP call's KV blocks were not freed"
 
 
+def test_the_meter_is_not_reachable_with_a_tenant_key_but_usage_is_through_the_gateway(up):
+    with grpc.insecure_channel(up.address("meter")) as ch:
+        meter = meter_pb2_grpc.MeterServiceStub(ch)
+        for md in ((), up.auth):
+            with pytest.raises(grpc.RpcError) as err:
+                meter.QueryUsage(meter_pb2.QueryUsageRequest(), metadata=md, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    up.generate(request_id="own-usage")
+    rows = wait_for(lambda: up.api.GetUsage(pb.GetUsageRequest(), metadata=up.auth,
+                                            timeout=10).rows, 30)
+    assert rows and rows[0].requests >= 1  # the gateway reads the meter with its token
+    out = subprocess.run([sys.executable, "-m", "controlplane.tsctl", "usage", "--meter",
+                          up.address("meter"), "--since", "1h", "--json"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "TOKENSERVE_METER_TOKEN": up.meter_token})
+    assert out.returncode == 0, out.stderr
+    assert "TOKENSERVE_METER_TOKEN=$(cat " in up.output()  # how to, printed at start
+    assert (up.data_dir / "var" / "meter-token").stat().st_mode & 0o777 == 0o600
+
+
 def etcd_text(up: Up) -> str:
     """Every key and value in etcd, one per line."""
     from aetcd import rpc
@@ -233,7 +258,7 @@ def everything_written(up: Up) -> dict[str, str]:
     every SQLite database, etcd's keys and values through its API, and every /metrics."""
     found: dict[str, str] = {}
     var = up.data_dir / "var"
-    for path in sorted(p for p in var.rglob("*") if p.is_file()):
+    for path in sorted(p for p in var.rglob("*") if p.is_file() and p.name != "meter-token"):
         found[str(path.relative_to(var))] = path.read_bytes().decode("latin-1")
         if path.suffix == ".db":
             found[f"{path.name} rows"] = sqlite_text(path)
@@ -299,6 +324,7 @@ def test_no_key_prompt_or_completion_in_anything_the_suite_wrote(up):
         # what is kept instead: the hash (etcd) and the display prefix
         assert where(hash_api_key(key), found)
         assert where(key[:10], found)
+    assert where(up.meter_token, found) == [], "the meter's token is stored elsewhere"
     assert where(marker, found) == [], f"the prompt is stored in {where(marker, found)}"
     for text in completions:
         assert where(text, found) == [], f"a completion is stored in {where(text, found)}"
