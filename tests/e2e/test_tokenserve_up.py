@@ -1,6 +1,9 @@
 """`tokenserve up` as a user runs it (the real command, the whole suite as real processes on
-ephemeral ports), then faults: a SIGKILLed meter or engine is restarted while the rest keeps
-serving; SIGTERM stops everything.
+ephemeral ports): the bad-input cases that need the real engine (tests/bad_input.py); after
+traffic, no API key, prompt or completion in anything the suite wrote; the meter refuses
+tenant keys; then faults: a SIGKILLed meter or engine is restarted while the rest keeps
+serving, a second engine replica SIGKILLed mid-stream fails over to the first; SIGTERM stops
+everything.
 
 Tests share one running suite and run in file order: the faults come last, the SIGTERM last
 of all.
@@ -9,111 +12,25 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
 
 from controlplane.service_process import ROOT
 from tests.bad_input import cases, gen, grpc_call, grpc_outcome, ids
+from tests.e2e.up_process import (Up, alive, engine_idle, everything_written,
+                                  gateway_usage, http_gives_up_after, http_stream_first_event,
+                                  meter_rows, metric, registered_engines, wait_for, where)
 from tokenserve.common.v1 import common_pb2
-from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.gateway.v1 import gateway_pb2 as pb
-from tokenserve.gateway.v1 import gateway_pb2_grpc
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
 
 pytestmark = pytest.mark.slow
-
-
-def wait_for(predicate, timeout=30.0, interval=0.1):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if value := predicate():
-            return value
-        time.sleep(interval)
-    return None
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-class Up:
-    """The `tokenserve up` process: its output, its up.json, a client of its gateway."""
-
-    def __init__(self, data_dir: Path):
-        self.data_dir = data_dir
-        self.out_path = data_dir / "up.out"
-        self.out = open(self.out_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "controlplane.launcher", "up", "--ephemeral-ports",
-             "--data-dir", str(data_dir / "var")], cwd=ROOT, stdout=self.out,
-            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self.key = ""
-        self.channel: grpc.Channel | None = None
-
-    def output(self) -> str:
-        return self.out_path.read_text(errors="replace")
-
-    def wait_output(self, text: str, timeout: float) -> bool:
-        def seen():
-            if self.proc.poll() is not None and text not in self.output():
-                raise AssertionError(f"tokenserve up exited ({self.proc.returncode}):\n"
-                                     + self.output()[-3000:])
-            return text in self.output()
-        return bool(wait_for(seen, timeout, 0.2))
-
-    def start(self):
-        assert self.wait_output("Press Ctrl-C to stop.", 600), self.output()[-3000:]
-        self.key = re.search(r"API key \(shown once\):\n  (ts-\S+)", self.output()).group(1)
-        self.channel = grpc.insecure_channel(self.address("gateway"))
-        self.api = gateway_pb2_grpc.InferenceServiceStub(self.channel)
-
-    @property
-    def state(self) -> dict:
-        return json.loads((self.data_dir / "var" / "up.json").read_text())
-
-    @property
-    def meter_token(self) -> str:
-        return (self.data_dir / "var" / "meter-token").read_text().strip()
-
-    def address(self, name: str) -> str:
-        return f"127.0.0.1:{self.state['ports'][name]}"
-
-    @property
-    def auth(self):
-        return (("authorization", f"Bearer {self.key}"),)
-
-    def generate(self, prompt="Hello", max_tokens=2, request_id="", timeout=60):
-        return list(self.api.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens,
-                                                         request_id=request_id),
-                                      metadata=self.auth, timeout=timeout))
-
-    def all_pids(self) -> list[int]:
-        state = self.state
-        return [*state["pids"].values(), state["etcd_pid"]]
-
-    def stop(self):
-        if self.channel is not None:
-            self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.out.close()
 
 
 @pytest.fixture(scope="module")
@@ -124,60 +41,6 @@ def up(tmp_path_factory):
         yield u
     finally:
         u.stop()
-
-
-def meter_rows(up: Up, request_ids: set[str]) -> set[tuple[str, str]]:
-    """(request id, source) of the meter's rows (both sources) for request_ids."""
-    csv = ""
-    with grpc.insecure_channel(up.address("meter")) as ch:
-        meter = meter_pb2_grpc.MeterServiceStub(ch)
-        for source in (meter_pb2.SOURCE_GATEWAY, meter_pb2.SOURCE_ENGINE):
-            try:
-                csv += "".join(c.data for c in meter.ExportCsv(
-                    meter_pb2.QueryUsageRequest(source=source), timeout=10,
-                    metadata=(("authorization", f"Bearer {up.meter_token}"),)))
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
-                return set()
-    fields = [line.split(",") for line in csv.splitlines()]
-    return {(f[1], f[2]) for f in fields if f[1] in request_ids}
-
-
-def engine_idle(up: Up) -> engine_pb2.GetInfoResponse | None:
-    """The engine's GetInfo once nothing runs or waits and every KV block is free."""
-    with grpc.insecure_channel(up.address("engine")) as ch:
-        info = engine_pb2_grpc.EngineServiceStub(ch).GetInfo(engine_pb2.GetInfoRequest(),
-                                                             timeout=10)
-    idle = (info.running, info.waiting, info.kv_blocks_free) == (0, 0, info.kv_blocks_total)
-    return info if idle else None
-
-
-def http_stream_first_event(up: Up, case) -> bytes:
-    """Sends the case's HTTP request with `stream: true`, reads the first event, leaves."""
-    import http.client
-
-    body = json.dumps({**case.request.http.body, "stream": True})
-    conn = http.client.HTTPConnection("127.0.0.1", up.state["ports"]["gateway_http"], timeout=60)
-    try:
-        conn.request("POST", "/v1" + case.request.http.path, body,
-                     {"authorization": f"Bearer {up.key}", "content-type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200
-        return resp.readline()
-    finally:
-        conn.close()  # the client goes away mid-stream
-
-
-def http_gives_up_after(up: Up, case, seconds: float) -> None:
-    import socket
-
-    req = urllib.request.Request(f"http://127.0.0.1:{up.state['ports']['gateway_http']}/v1"
-                                 + case.request.http.path, data=case.request.http.data(),
-                                 headers={"authorization": f"Bearer {up.key}",
-                                          "content-type": "application/json"})
-    with pytest.raises((TimeoutError, socket.timeout, urllib.error.URLError)):
-        urllib.request.urlopen(req, timeout=seconds).read()
-
 
 @pytest.mark.parametrize("case", cases("suite"), ids=ids(cases("suite")))
 def test_bad_input_that_needs_the_real_engine_frees_its_kv_blocks(up, case):
@@ -209,7 +72,6 @@ def test_bad_input_that_needs_the_real_engine_frees_its_kv_blocks(up, case):
         assert http_stream_first_event(up, case).startswith(b"data: ")
     assert wait_for(lambda: engine_idle(up), 10), "the HTTP call's KV blocks were not freed"
 
-
 def test_the_meter_is_not_reachable_with_a_tenant_key_but_usage_is_through_the_gateway(up):
     with grpc.insecure_channel(up.address("meter")) as ch:
         meter = meter_pb2_grpc.MeterServiceStub(ch)
@@ -228,51 +90,6 @@ def test_the_meter_is_not_reachable_with_a_tenant_key_but_usage_is_through_the_g
     assert out.returncode == 0, out.stderr
     assert "TOKENSERVE_METER_TOKEN=$(cat " in up.output()  # how to, printed at start
     assert (up.data_dir / "var" / "meter-token").stat().st_mode & 0o777 == 0o600
-
-
-def etcd_text(up: Up) -> str:
-    """Every key and value in etcd, one per line."""
-    from aetcd import rpc
-
-    with grpc.insecure_channel(up.address("etcd")) as ch:
-        resp = rpc.KVStub(ch).Range(rpc.RangeRequest(key=b"\0", range_end=b"\0"), timeout=10)
-    return "\n".join(f"{kv.key.decode(errors='replace')} {kv.value.decode(errors='replace')}"
-                     for kv in resp.kvs)
-
-
-def sqlite_text(db: Path) -> str:
-    """Every value in every row of every table of a SQLite database."""
-    import contextlib
-    import sqlite3
-
-    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-        return "\n".join(v.decode(errors="replace") if isinstance(v, bytes) else str(v)
-                         for t in tables for row in conn.execute(f'SELECT * FROM "{t}"')
-                         for v in row)
-
-
-def everything_written(up: Up) -> dict[str, str]:
-    """Where secrets could leak -> its text: every file under the data dir as raw bytes
-    (logs, SQLite files and their WALs, config snapshots, etcd's own files), the rows of
-    every SQLite database, etcd's keys and values through its API, and every /metrics."""
-    found: dict[str, str] = {}
-    var = up.data_dir / "var"
-    for path in sorted(p for p in var.rglob("*") if p.is_file() and p.name != "meter-token"):
-        found[str(path.relative_to(var))] = path.read_bytes().decode("latin-1")
-        if path.suffix == ".db":
-            found[f"{path.name} rows"] = sqlite_text(path)
-    found["etcd keys and values"] = etcd_text(up)
-    for service in ("gateway", "tokenizer", "engine", "meter"):
-        port = up.state["ports"][f"{service}_metrics"]
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            found[f"{service} /metrics"] = r.read().decode()
-    return found
-
-
-def where(text: str, found: dict[str, str]) -> list[str]:
-    return [name for name, content in found.items() if text in content]
-
 
 def test_no_key_prompt_or_completion_in_anything_the_suite_wrote(up):
     import hashlib
@@ -346,16 +163,6 @@ def test_no_key_prompt_or_completion_in_anything_the_suite_wrote(up):
             planted.unlink()
             kv.DeleteRange(rpc.DeleteRangeRequest(key=b"/planted"), timeout=10)
 
-
-def metric(up: Up, service: str, name: str) -> float:
-    port = up.state["ports"][f"{service}_metrics"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"{name} not in {service}'s /metrics")
-
-
 def test_a_killed_meter_is_restarted_and_the_usage_spooled_meanwhile_arrives(up):
     up.generate()  # warm: the first request of a fresh engine is slower
     meter_pid = up.state["pids"]["meter"]
@@ -382,7 +189,6 @@ def test_a_killed_meter_is_restarted_and_the_usage_spooled_meanwhile_arrives(up)
         "usage spooled while the meter was down never reached it")
     assert wait_for(lambda: all(metric(up, s, f"tokenserve_{s}_usage_spool_events") == 0
                                 for s in ("gateway", "engine")), 30)
-
 
 def test_a_killed_engine_is_unavailable_until_restarted_then_serves(up):
     engine_pid = up.state["pids"]["engine"]
@@ -412,6 +218,79 @@ def test_a_killed_engine_is_unavailable_until_restarted_then_serves(up):
     print(f"engine back and serving {time.monotonic() - killed:.1f} s after SIGKILL")
     assert up.state["restarts"] == {"meter": 1, "engine": 1}
 
+def test_one_of_two_replicas_killed_mid_stream_fails_over_to_the_other(up):
+    import threading
+
+    from controlplane.service_process import ServiceProcess
+    from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default_model_path
+    from tokenserve.runtime.ports import free_port
+
+    var, port = up.data_dir / "var", free_port()
+    second = ServiceProcess("services.engine", [
+        "--port", str(port), "--metrics-port", str(free_port()),
+        "--model-path", str(default_model_path()), "--model-name", DEFAULT_MODEL_NAME,
+        "--version", DEFAULT_MODEL_VERSION, "--etcd-endpoints", up.address("etcd"),
+        "--meter", up.address("meter"), "--spool", str(var / "engine-2-spool.db")],
+        port, log_path=var / "logs" / "engine-2.log",
+        env={"TOKENSERVE_METER_TOKEN": up.meter_token})
+    try:
+        second.start(timeout=300)
+        assert wait_for(lambda: len(registered_engines(up)) == 2, 30), registered_engines(up)
+        time.sleep(1.5)  # the gateway's watch delivers the registration within a second
+        up.generate()
+        killed_endpoint = f"127.0.0.1:{port}"
+
+        # Streams spread over both replicas (the router picks the fewest outstanding tokens).
+        outcomes: dict[str, tuple[str, str, int]] = {}
+        started = {f"failover-{i}": threading.Event() for i in range(4)}
+
+        def stream(rid: str):
+            tokens = 0
+            try:
+                for chunk in up.api.Generate(pb.GenerateRequest(
+                        prompt="Count from 1 to 1000: 1, 2, 3, 4, 5,", max_tokens=150,
+                        request_id=rid), metadata=up.auth, timeout=300):
+                    tokens += len(chunk.token_ids)
+                    started[rid].set()
+                outcomes[rid] = ("OK", "", tokens)
+            except grpc.RpcError as e:
+                outcomes[rid] = (e.code().name, e.details() or "", tokens)
+            finally:
+                started[rid].set()
+
+        threads = []
+        for rid in started:
+            threads.append(threading.Thread(target=stream, args=(rid,), daemon=True))
+            threads[-1].start()
+            assert started[rid].wait(120)
+        killed_at = time.monotonic()
+        second.proc.kill()
+
+        first_success = None
+        for i in range(200):  # new requests right after the kill: all served
+            up.generate(request_id=f"after-kill-{i}", timeout=60)
+            first_success = first_success or time.monotonic() - killed_at
+            if i >= 4 and time.monotonic() - killed_at > 2:
+                break
+        for t in threads:
+            t.join(300)
+        print(f"failover: first request served {first_success * 1000:.0f} ms after SIGKILL")
+        assert first_success < 15  # the product spec's bar
+
+        cut = {rid: o for rid, o in outcomes.items() if o[0] != "OK"}
+        assert cut, f"no stream was on the killed replica: {outcomes}"
+        for rid, (code, details, tokens) in cut.items():
+            assert code == "UNAVAILABLE" and f"engine {killed_endpoint}" in details, details
+        assert all(o[0] == "OK" for rid, o in outcomes.items() if rid not in cut), outcomes
+        # the killed streams are billed for the tokens the gateway streamed
+        rows = wait_for(lambda: (r := gateway_usage(up, set(cut))) and len(r) == len(cut) and r,
+                        30)
+        assert rows, "no usage recorded for the cut streams"
+        for rid, row in rows.items():
+            assert row["status"] == "UNAVAILABLE"
+            assert int(row["completion_tokens"]) >= cut[rid][2] > 0, (row, cut[rid])
+    finally:
+        second.kill()
 
 def test_sigterm_stops_everything_and_leaves_nothing_running(up):
     pids = up.all_pids()
