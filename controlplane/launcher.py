@@ -2,8 +2,11 @@
 
 Starts a local etcd, seeds the default configuration, starts every service as its own
 process by module name (never by importing it), waits for each to report SERVING, issues a
-demo API key and prints ready grpcurl and curl commands. Ctrl-C (or SIGTERM) stops the services in
-reverse order, gracefully, then etcd.
+demo API key and prints ready grpcurl and curl commands. Then it supervises: a process that
+exits (a crash, a SIGKILL) is restarted with backoff while the others keep serving, each
+restart printed and counted in `<data-dir>/up.json`; repeated crashes of one process in a
+short window (controlplane.supervision) make it give up and stop everything. Ctrl-C (or
+SIGTERM) stops the services in reverse order, gracefully, then etcd.
 
 `Suite` is the same thing as a library, used by the end-to-end tests with ephemeral ports.
 """
@@ -13,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -24,10 +28,12 @@ from typing import Callable
 from controlplane import admin
 from controlplane import seed as seeding
 from controlplane.etcd_local import EtcdProcess
-from controlplane.service_process import ServiceProcess
+from controlplane.service_process import SERVING, ServiceProcess
 from controlplane.store import ConfigStore
+from controlplane.supervision import CrashHistory, GiveUp, RestartPolicy
 from tokenserve.runtime.errors import ServiceError
 from tokenserve.runtime.ports import free_port
+from tokenserve.runtime.service_token import METER_TOKEN_ENV
 from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default_model_path
 
 DEMO_TENANT = "demo"
@@ -64,6 +70,10 @@ class Suite:
     say: Callable[[str], None] = print
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
     etcd: EtcdProcess | None = None
+    # Restarts per process since start (see supervise).
+    restarts: dict[str, int] = field(default_factory=dict)
+    # Set: the meter demands it of every caller; the gateway and the engine send it.
+    meter_token: str | None = field(default=None, repr=False)
 
     @property
     def etcd_endpoint(self) -> str:
@@ -79,13 +89,7 @@ class Suite:
 
     # -- start ---------------------------------------------------------------------------
     def start(self, timeout: float = 300.0) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        (self.data_dir / "logs").mkdir(exist_ok=True)
-        self.say(f"starting etcd on {self.etcd_endpoint}")
-        self.etcd = EtcdProcess(self.data_dir / "etcd", client_port=self.ports.etcd,
-                                peer_port=self.ports.etcd_peer,
-                                log_path=self.data_dir / "logs" / "etcd.log")
-        self.etcd.start()
+        self.start_etcd()
         asyncio.run(self._seed())
         deadline = time.monotonic() + timeout
         for name in SERVICES:
@@ -96,6 +100,15 @@ class Suite:
             proc.wait_serving(deadline - time.monotonic(), progress.poll if progress else None)
             self.say(f"{name} is serving")
         self._write_state()
+
+    def start_etcd(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "logs").mkdir(exist_ok=True)
+        self.say(f"starting etcd on {self.etcd_endpoint}")
+        self.etcd = EtcdProcess(self.data_dir / "etcd", client_port=self.ports.etcd,
+                                peer_port=self.ports.etcd_peer,
+                                log_path=self.data_dir / "logs" / "etcd.log")
+        self.etcd.start()
 
     async def _seed(self):
         store = ConfigStore([self.etcd_endpoint])
@@ -121,8 +134,10 @@ class Suite:
         return asyncio.run(issue())
 
     def _process(self, name: str) -> ServiceProcess:
+        env = ({METER_TOKEN_ENV: self.meter_token}
+               if self.meter_token and name in ("meter", "gateway", "engine") else {})
         return ServiceProcess(f"services.{name}", self._args(name), getattr(self.ports, name),
-                              log_path=self.data_dir / "logs" / f"{name}.log")
+                              log_path=self.data_dir / "logs" / f"{name}.log", env=env)
 
     def _args(self, name: str) -> list[str]:
         p = self.ports
@@ -153,8 +168,72 @@ class Suite:
     def _write_state(self):
         state = {"ports": asdict(self.ports),
                  "pids": {n: p.proc.pid for n, p in self.procs.items()},
-                 "etcd_pid": self.etcd.process.pid if self.etcd and self.etcd.process else None}
-        (self.data_dir / "up.json").write_text(json.dumps(state, indent=2))
+                 "etcd_pid": self.etcd.process.pid if self.etcd and self.etcd.process else None,
+                 "restarts": dict(self.restarts)}
+        tmp = self.data_dir / "up.json.tmp"
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.data_dir / "up.json")  # readers never see half a file
+
+    # -- supervise -----------------------------------------------------------------------
+    def supervise(self, policy: RestartPolicy = RestartPolicy(), tick: float = 0.25) -> str:
+        """Restarts every process that exits, after the policy's backoff, while the others
+        keep running; returns (without stopping anything) the message of giving up."""
+        crashes = CrashHistory(policy)
+        due: dict[str, float] = {}    # process -> monotonic time of its restart
+        starting: set[str] = set()    # restarted, not yet SERVING again
+        names = (["etcd"] if self.etcd else []) + [n for n in SERVICES if n in self.procs]
+        while True:
+            for name in names:
+                if name in due:
+                    if time.monotonic() >= due[name]:
+                        del due[name]
+                        self._restart(name)
+                        starting.add(name)
+                    continue
+                code = self._exit_code(name)
+                if code is None:
+                    if name in starting and self._serving(name):
+                        starting.discard(name)
+                        self.say(f"{name} is serving again")
+                    continue
+                starting.discard(name)
+                decision = crashes.crashed(name)
+                if isinstance(decision, GiveUp):
+                    return (f"{name} exited with code {code}: {decision.crashes} crashes within"
+                            f" {decision.window:g} s; giving up, stopping everything"
+                            f" (see {self._log_path(name)})")
+                self.restarts = dict(crashes.restarts)
+                due[name] = time.monotonic() + decision.delay
+                self.say(f"{name} exited with code {code}; restart {decision.attempt} in"
+                         f" {decision.delay:g} s (restarts so far: {self.restarts})")
+                self._write_state()
+            time.sleep(tick)
+
+    def _exit_code(self, name: str) -> int | None:
+        if name == "etcd":
+            return self.etcd.process.poll() if self.etcd and self.etcd.process else None
+        return self.procs[name].proc.poll()
+
+    def _serving(self, name: str) -> bool:
+        if name == "etcd":
+            return self.etcd.healthy()
+        return self.procs[name].health() == SERVING
+
+    def _log_path(self, name: str) -> Path:
+        return self.data_dir / "logs" / f"{name}.log"
+
+    def _restart(self, name: str) -> None:
+        if name == "etcd":
+            try:
+                # a restart keeps the data dir: etcd comes back with every key it had
+                self.etcd.start()
+            except ServiceError as e:  # exited again while starting: the next tick sees it
+                self.say(f"etcd failed to restart: {e.message}")
+            pid = self.etcd.process.pid
+        else:
+            pid = self.procs[name].spawn().proc.pid
+        self.say(f"{name} restarted (pid {pid})")
+        self._write_state()
 
     # -- stop ----------------------------------------------------------------------------
     def stop(self, grace: float = 15.0) -> dict[str, int | None]:
@@ -217,15 +296,30 @@ def curl_command(key: str, base_url: str) -> str:
             f" -H 'content-type: application/json' -d '{body}'")
 
 
+def _token_path(data_dir: Path) -> Path:
+    return data_dir / "meter-token"
+
+
+def _meter_token(data_dir: Path) -> str:
+    """A fresh service token for the meter, also written (owner-only) for tsctl."""
+    token = secrets.token_urlsafe(32)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = _token_path(data_dir)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
 def _up(args) -> int:
     data_dir = Path(args.data_dir).resolve()
     ports = SuitePorts.ephemeral() if args.ephemeral_ports else SuitePorts()
     suite = Suite(data_dir, ports, model_path=Path(args.model_path) if args.model_path else None,
-                  engine_args=tuple(args.engine_arg))
-    stop = {"now": False}
+                  engine_args=tuple(args.engine_arg), say=lambda m: print(m, flush=True),
+                  meter_token=_meter_token(data_dir))
 
     def on_signal(signum, frame):
-        stop["now"] = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -237,15 +331,12 @@ def _up(args) -> int:
         print("Try it:\n  " + grpcurl_command(key, suite.address("gateway")) + "\n")
         print(f"OpenAI-compatible HTTP API: {suite.http_url}\n  "
               + curl_command(key, suite.http_url) + "\n")
-        print("Admin: tsctl --endpoints " + suite.etcd_endpoint + " status\nPress Ctrl-C to stop.",
-              flush=True)
-        while True:
-            for name, proc in suite.procs.items():
-                if proc.proc.poll() is not None:
-                    print(f"{name} exited with code {proc.proc.returncode}; stopping everything",
-                          flush=True)
-                    return 1
-            time.sleep(0.5)
+        print("Admin: tsctl --endpoints " + suite.etcd_endpoint + " status")
+        print(f"Usage: TOKENSERVE_METER_TOKEN=$(cat {_token_path(data_dir)}) tsctl usage --meter"
+              f" {suite.address('meter')}  (the meter wants its service token)")
+        print("Press Ctrl-C to stop.", flush=True)
+        print(suite.supervise(), file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         print("\nstopping...", flush=True)
         return 0
@@ -253,6 +344,9 @@ def _up(args) -> int:
         print(f"tokenserve up failed: {e}", file=sys.stderr)
         return 1
     finally:
+        # A second Ctrl-C or SIGTERM must not interrupt the stop and leave processes behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         codes = suite.stop()
         print("stopped: " + ", ".join(f"{n}={c}" for n, c in codes.items()), flush=True)
 

@@ -28,8 +28,11 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class ServiceProcess:
-    def __init__(self, module: str, args: list[str], port: int, *, log_path: Path):
+    def __init__(self, module: str, args: list[str], port: int, *, log_path: Path,
+                 env: dict[str, str] | None = None):
         self.module, self.args, self.port, self.log_path = module, list(args), port, log_path
+        # Added to the environment (secrets go here: arguments show in process listings).
+        self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
         # Health statuses seen while waiting to serve, in order, without repeats.
         self.statuses: list[int] = []
@@ -40,7 +43,7 @@ class ServiceProcess:
 
     def spawn(self) -> "ServiceProcess":
         """Starts the process and returns at once."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         with open(self.log_path, "ab") as log:
             # Own session: a Ctrl-C in the launcher's terminal must not reach every service at

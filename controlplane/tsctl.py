@@ -30,6 +30,7 @@ from controlplane.store import ConfigStore
 from controlplane.tsctl_args import build_parser, parse_assignments, parse_ladder
 from controlplane.tsctl_usage import cmd_usage
 from controlplane.watcher import ConfigWatcher
+from tokenserve.runtime.service_token import METER_TOKEN_ENV
 from tokenserve.runtime.errors import InvalidArgument, ServiceError
 from tokenserve.runtime.logging import configure_logging
 
@@ -385,6 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           default_password=os.environ.get("TOKENSERVE_ETCD_PASSWORD"),
                           default_meter=os.environ.get("TOKENSERVE_METER", "127.0.0.1:50054"))
     args = parser.parse_args(argv)
+    # never a flag: a flag's value shows in every process listing
+    args.meter_token = os.environ.get(METER_TOKEN_ENV) or None
     configure_logging("tsctl", level="warning")  # library logs to stderr; stdout is the output
     try:
         return asyncio.run(run(args))

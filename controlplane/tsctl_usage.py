@@ -4,7 +4,8 @@
     tsctl usage export --since 30d --format cloudevents -o usage.jsonl
     tsctl usage reconcile --since 1h                        # gateway vs engine records
 
-The meter is --meter (default $TOKENSERVE_METER or 127.0.0.1:50054).
+The meter is --meter (default $TOKENSERVE_METER or 127.0.0.1:50054); a meter that wants a
+service token gets $TOKENSERVE_METER_TOKEN.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import grpc
 
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
 from tokenserve.runtime.errors import InvalidArgument, from_rpc_error
+from tokenserve.runtime.service_token import client_interceptors
 
 GROUPS = {"tenant": meter_pb2.GROUP_BY_TENANT, "app": meter_pb2.GROUP_BY_APP,
           "model": meter_pb2.GROUP_BY_MODEL, "version": meter_pb2.GROUP_BY_VERSION,
@@ -127,7 +129,8 @@ def add_usage_parser(sub, conn: argparse.ArgumentParser, default_meter: str) -> 
 
 
 async def cmd_usage(a: argparse.Namespace, out) -> int:
-    async with grpc.aio.insecure_channel(a.meter) as channel:
+    interceptors = client_interceptors(getattr(a, "meter_token", None)) or None
+    async with grpc.aio.insecure_channel(a.meter, interceptors=interceptors) as channel:
         stub = meter_pb2_grpc.MeterServiceStub(channel)
         try:
             if a.action == "reconcile":

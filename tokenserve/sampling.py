@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from tokenserve.common.v1 import common_pb2
 from tokenserve.runtime.errors import InvalidArgument
+from tokenserve.text import check_no_nul
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -89,6 +90,7 @@ def check_stop(stop: Sequence[str]) -> None:
     for i, s in enumerate(stop):
         if not s or len(s) > MAX_STOP_CHARS:
             raise InvalidArgument(f"stop[{i}] must be 1-{MAX_STOP_CHARS} characters, got {len(s)}")
+        check_no_nul(s, f"stop[{i}]")
 
 
 def check_top_logprobs(top_logprobs: int) -> None:

@@ -5,7 +5,7 @@ GetInfo, never written back here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from tokenserve.runtime.config import check_endpoint, check_ports
 
@@ -80,6 +80,8 @@ class EngineConfig:
     grace_seconds: float = 5.0
     drain_seconds: float = 1.0
     log_level: str = "info"
+    # The meter's service token, sent on every meter call (None: the meter wants none).
+    meter_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.model_name or not self.version:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from tokenserve.engine.v1 import engine_pb2_grpc
 from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default_model_path
 from tokenserve.runtime.logging import configure_logging, get_logger
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
+from tokenserve.runtime.service_token import METER_TOKEN_ENV
 from tokenserve.runtime.config import add_server_args
 from tokenserve.spool import DURABILITIES
 
@@ -123,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
             meter=a.meter, spool_path=a.spool, spool_durability=a.spool_durability,
             advertise=a.advertise, grace_seconds=a.grace_seconds, drain_seconds=a.drain_seconds,
-            log_level=a.log_level)
+            log_level=a.log_level, meter_token=os.environ.get(METER_TOKEN_ENV) or None)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
 
@@ -253,7 +255,7 @@ def _start_usage(config: EngineConfig, engine: AsyncEngine):
     from tokenserve.spool import SpoolSender, UsageSpool, send_usage
 
     spool = UsageSpool(config.spool_path, config.spool_durability)
-    channel = aio_channel(config.meter)
+    channel = aio_channel(config.meter, token=config.meter_token)
     stub = meter_pb2_grpc.MeterServiceStub(channel)
     sender = SpoolSender(spool, lambda records: send_usage(stub, records, 10.0),
                          on_sent=on_sent)

@@ -79,6 +79,8 @@ class GatewayConfig:
     # Registration in etcd (gateway id; empty: host:port).
     gateway_id: str = ""
     log_level: str = "info"
+    # The meter's service token, sent on every meter call (None: the meter wants none).
+    meter_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         check_ports(self.port, self.metrics_port)

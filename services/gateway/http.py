@@ -348,17 +348,21 @@ class HttpFront:
 
 
 async def _read_body(request: Request, limit: int) -> bytes | None:
-    """The body, or None when it is longer than `limit` bytes (read no further)."""
+    """The body, or None when it is longer than `limit` bytes. An oversize body is read to
+    its end and dropped (up to 4x the limit) before the 413 goes out: a client that sends
+    its whole body before reading the answer (urllib, httpx) would otherwise see the
+    connection reset instead of the 413."""
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
+    if length is not None and length.isdigit() and int(length) > 4 * limit:
         return None
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
-        if size > limit:
+        if size > 4 * limit:
             return None
-        parts.append(part)
-    return b"".join(parts)
+        if size <= limit:
+            parts.append(part)
+    return b"".join(parts) if size <= limit else None
 
 
 def _encode(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:

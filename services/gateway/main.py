@@ -35,15 +35,15 @@ from services.gateway.prober import Prober
 from services.gateway.quota_store import (MemoryQuotaStore, NoQuotaStore, QuotaStore,
                                           RedisQuotaStore)
 from services.gateway.routing import Router
-from services.gateway.servicer import InferenceServicer
+from services.gateway.servicer import InferenceServicer, add_to_server
 from services.gateway.tokenizers import Tokenizers
 from services.gateway.version_stats import VersionStats
 
-from tokenserve.gateway.v1 import gateway_pb2_grpc
 from tokenserve.runtime.channels import aio_channel
 from tokenserve.runtime.errors import ServiceError
 from tokenserve.runtime.logging import configure_logging
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
+from tokenserve.runtime.service_token import METER_TOKEN_ENV
 from tokenserve.runtime.config import add_server_args
 from tokenserve.spool import DURABILITIES, SpoolSender, UsageSpool
 
@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             ejection=EjectionPolicy(failures=a.eject_after, deadlines=ej.deadlines,
                                     backoff_seconds=a.eject_backoff,
                                     max_backoff_seconds=a.eject_backoff_max),
-            log_level=a.log_level)
+            log_level=a.log_level, meter_token=os.environ.get(METER_TOKEN_ENV) or None)
     except ValueError as e:
         p.error(str(e))
 
@@ -150,7 +150,8 @@ def build(config: GatewayConfig, source: ConfigSource, router: Router, board: Lo
     sender."""
     spool = UsageSpool(config.spool_path, config.spool_durability)
     metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
-    meter_channel, tokenizer_channel = aio_channel(config.meter), aio_channel(config.tokenizer)
+    meter_channel = aio_channel(config.meter, token=config.meter_token)
+    tokenizer_channel = aio_channel(config.tokenizer)
     meter = MeterClient(meter_channel)
     sender = SpoolSender(spool, meter.record,
                          batch_size=config.spool_batch_size,
@@ -202,7 +203,7 @@ def build(config: GatewayConfig, source: ConfigSource, router: Router, board: Lo
                          max_body_bytes=options.max_message_bytes)
     server = GrpcServer(
         "gateway",
-        [Registration(SERVICE_NAME, gateway_pb2_grpc.add_InferenceServiceServicer_to_server,
+        [Registration(SERVICE_NAME, add_to_server,
                       InferenceServicer(pipeline, config.request_timeout_seconds, meter))],
         options, on_stop=([http.stop] if http else []) + [close_all])
     return server, [sender.start, prober.start, governor.start], http, governor

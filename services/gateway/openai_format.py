@@ -35,7 +35,7 @@ _INTERNAL = (500, "server_error")
 
 # Internal names whose public field is called otherwise.
 _PUBLIC = {"app": "user"}
-_PARAM_RE = re.compile(r"^([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+)?)\b")
+_PARAM_RE = re.compile(r"^([a-z_]+)((?:\[\d+\])?(?:\.[a-z_]+)?)(?=[\s:,;]|$)")
 
 
 def param_of(message: str, fields) -> str | None:

@@ -15,6 +15,7 @@ from services.gateway.validation import (SESSION_HEADER, InferenceRequest, Messa
 from tokenserve import sampling
 from tokenserve.common.v1 import common_pb2
 from tokenserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tokenserve.runtime import wire
 from tokenserve.runtime.errors import ServiceError, Unavailable
 from tokenserve.sampling import SamplingParams
 
@@ -66,6 +67,12 @@ def chunk_to_pb(chunk: Chunk, *, first: bool) -> gateway_pb2.GenerateResponse:
     return resp
 
 
+def add_to_server(servicer: "InferenceServicer", server) -> None:
+    """The generated `add_InferenceServiceServicer_to_server`, but invalid UTF-8 in a request
+    is INVALID_ARGUMENT naming the field (tokenserve.runtime.wire), not UNKNOWN."""
+    wire.add_servicer(servicer, server, gateway_pb2, "InferenceService")
+
+
 class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
     def __init__(self, pipeline: Pipeline, default_timeout: float,
                  meter: MeterClient | None = None):
@@ -85,6 +92,7 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
         try:
             caller = self._caller(context)
             tier = caller.tier
+            request = wire.parsed(request)
             session = dict(context.invocation_metadata() or ()).get(SESSION_HEADER, "")
             req = validate(request_from_pb(request, chat=chat, session_id=session),
                            tier_cap=caller.max_tokens, tier=caller.tier)
@@ -115,12 +123,12 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
             async for resp in s:
                 yield resp
 
-    async def _unary(self, method: str, context, fn):
+    async def _unary(self, method: str, request, context, fn):
         tier, code = "none", "OK"
         try:
             caller = self._caller(context)
             tier = caller.tier
-            return await fn()
+            return await fn(wire.parsed(request))
         except ServiceError as e:
             code = e.code.name
             raise
@@ -128,7 +136,7 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
             metrics.REQUESTS.labels(method, tier, code).inc()
 
     async def CountTokens(self, request, context):
-        async def count():
+        async def count(request):
             which = request.WhichOneof("input")
             if which == "chat":
                 messages = _messages(request.chat.messages)
@@ -140,24 +148,24 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
             n = await self._pipeline.count_tokens(req, self._timeout(context))
             return gateway_pb2.CountTokensResponse(count=n)
 
-        return await self._unary("CountTokens", context, count)
+        return await self._unary("CountTokens", request, context, count)
 
     async def ListModels(self, request, context):
-        async def models():
+        async def models(_request):
             infos = self._pipeline.router.models(self._pipeline.snapshot)
             return gateway_pb2.ListModelsResponse(models=[
                 gateway_pb2.Model(name=m.name, max_context=m.max_context, versions=[
                     gateway_pb2.ModelVersion(version=v, weight=w) for v, w in m.versions])
                 for m in infos])
 
-        return await self._unary("ListModels", context, models)
+        return await self._unary("ListModels", request, context, models)
 
     async def GetUsage(self, request, context):
-        async def usage():
+        async def usage(request):
             if self._meter is None:
                 raise Unavailable("this gateway has no meter to read usage from")
             query = tenant_usage_query(self._caller(context), request)
             resp = await self._meter.query(query, self._timeout(context))
             return gateway_pb2.GetUsageResponse(rows=resp.rows)
 
-        return await self._unary("GetUsage", context, usage)
+        return await self._unary("GetUsage", request, context, usage)

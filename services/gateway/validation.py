@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from tokenserve.runtime.errors import InvalidArgument
 from tokenserve.sampling import SamplingParams, check_sampling, check_stop, check_top_logprobs
+from tokenserve.text import check_no_nul
 from tokenserve.tokenization import MAX_TEXT_BYTES
 
 MAX_PROMPT_CHARS = 1_000_000
@@ -68,13 +69,12 @@ def check_messages(messages: tuple[Message, ...] | None) -> None:
         if m.role not in CHAT_ROLES:
             raise InvalidArgument(
                 f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}")
+        check_no_nul(m.content, f"messages[{i}].content")
         total += len(m.content)
     if not any(m.content for m in messages):
         raise InvalidArgument("messages: every content is empty")
     if total > MAX_PROMPT_CHARS:
         raise InvalidArgument(f"messages hold {total} characters; at most {MAX_PROMPT_CHARS}")
-    for i, m in enumerate(messages):
-        _check_nul(m.content, f"messages[{i}].content")
     if total * 4 > MAX_TEXT_BYTES:
         _check_bytes(sum(len(m.content.encode("utf-8")) for m in messages), "messages")
 
@@ -84,15 +84,9 @@ def check_prompt(prompt: str | None) -> None:
         raise InvalidArgument("prompt must not be empty")
     if len(prompt) > MAX_PROMPT_CHARS:
         raise InvalidArgument(f"prompt is {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
-    _check_nul(prompt, "prompt")
+    check_no_nul(prompt, "prompt")
     if len(prompt) * 4 > MAX_TEXT_BYTES:  # a character is 1..4 bytes: measure only when it may be over
         _check_bytes(len(prompt.encode("utf-8")), "prompt")
-
-
-def _check_nul(text: str, field: str) -> None:
-    nul = text.find("\x00")
-    if nul >= 0:
-        raise InvalidArgument(f"{field} contains a NUL character at offset {nul}; remove it")
 
 
 def _check_bytes(size: int, field: str) -> None:
@@ -113,6 +107,7 @@ def validate(req: InferenceRequest, *, tier_cap: int, tier: str) -> InferenceReq
     check_top_logprobs(req.top_logprobs)
     if len(req.app) > MAX_APP_CHARS:
         raise InvalidArgument(f"app is {len(req.app)} characters; at most {MAX_APP_CHARS}")
+    check_no_nul(req.app, "app")  # the meter refuses a usage record with one
     if req.request_id and not _REQUEST_ID_RE.match(req.request_id):
         raise InvalidArgument(
             "request_id must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")

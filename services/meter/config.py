@@ -1,11 +1,12 @@
 """Meter settings, validated on construction (main.py is the only place that reads flags)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.meter.usage import DEFAULT_MAX_AGE_SECONDS, DEFAULT_MAX_AHEAD_SECONDS
 from tokenserve.runtime.config import check_ports
+from tokenserve.runtime.service_token import check_token
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,13 @@ class MeterConfig:
     reconcile_interval_seconds: float = 60.0
     reconcile_window_seconds: float = 3600.0
     log_level: str = "info"
+    # Set: every MeterService call needs `authorization: Bearer <token>` (service_token).
+    token: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         check_ports(self.port, self.metrics_port)
+        if self.token is not None:
+            check_token(self.token)
         if not self.db:
             raise ValueError("db must be a SQLite path or a postgresql:// URL")
         if not self.max_age_seconds > 0 or not self.max_ahead_seconds >= 0:

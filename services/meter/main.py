@@ -1,9 +1,13 @@
 """`python -m services.meter --port 50054 --metrics-port 9104 --db var/meter.db
-[--etcd-endpoints 127.0.0.1:2379] [--reconcile-interval-seconds 60]`"""
+[--etcd-endpoints 127.0.0.1:2379] [--reconcile-interval-seconds 60]`
+
+With $TOKENSERVE_METER_TOKEN set, every MeterService call must carry `authorization: Bearer
+<that token>` (the gateway, the engines and tsctl send it from the same variable)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from pathlib import Path
 
 from services.meter.config import MeterConfig
@@ -16,6 +20,7 @@ from tokenserve.meter.v1 import meter_pb2_grpc
 from tokenserve.runtime.config import add_server_args
 from tokenserve.runtime.logging import configure_logging
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
+from tokenserve.runtime.service_token import METER_TOKEN_ENV, RequireToken
 
 SERVICE_NAME = "tokenserve.meter.v1.MeterService"
 
@@ -50,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> MeterConfig:
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
             config_snapshot=a.config_snapshot,
             reconcile_interval_seconds=a.reconcile_interval_seconds,
-            reconcile_window_seconds=a.reconcile_window_seconds, log_level=a.log_level)
+            reconcile_window_seconds=a.reconcile_window_seconds, log_level=a.log_level,
+            token=os.environ.get(METER_TOKEN_ENV) or None)
     except ValueError as e:
         p.error(str(e))
 
@@ -85,10 +91,11 @@ async def serve(config: MeterConfig) -> int:
         "meter",
         [Registration(SERVICE_NAME, meter_pb2_grpc.add_MeterServiceServicer_to_server, servicer)],
         ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port),
-        on_stop=[servicer.close, *on_stop])
+        on_stop=[servicer.close, *on_stop],
+        interceptors=(RequireToken(config.token, "tokenserve.meter.v1."),) if config.token else ())
     log.info("ledger_open", backend="postgresql" if config.postgres else "sqlite",
              journal_mode=ledger.journal_mode(), schema_version=ledger.schema_version,
-             tenant_check=known_tenants is not None,
+             tenant_check=known_tenants is not None, token_required=config.token is not None,
              reconcile_interval_seconds=config.reconcile_interval_seconds)
     await server.run()
     return 0

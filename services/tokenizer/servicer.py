@@ -10,7 +10,7 @@ import grpc
 from services.tokenizer import metrics
 from services.tokenizer.tokenizing import (ChatTurn, DecodeInput, EncodeInput, Encoded,
                                            Tokenization)
-from services.tokenizer.wire import BadRequest, lenient
+from tokenserve.runtime import wire
 from tokenserve.runtime.errors import InvalidArgument, ServiceError
 from tokenserve.tokenizer.v1 import tokenizer_pb2 as pb
 
@@ -21,16 +21,7 @@ def add_to_server(servicer: "TokenizerServicer", server: grpc.Server) -> None:
     """Like the generated `add_TokenizerServiceServicer_to_server`, but requests with invalid
     UTF-8 reach the handler as `BadRequest` (INVALID_ARGUMENT naming the field) instead of
     failing inside grpc as INTERNAL."""
-    service = pb.DESCRIPTOR.services_by_name["TokenizerService"]
-    handlers = {
-        m.name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, m.name),
-            request_deserializer=lenient(getattr(pb, m.input_type.name)),
-            response_serializer=getattr(pb, m.output_type.name).SerializeToString)
-        for m in service.methods}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    if hasattr(server, "add_registered_method_handlers"):
-        server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    wire.add_servicer(servicer, server, pb, "TokenizerService")
 
 
 def _encode_input(req: pb.EncodeRequest) -> EncodeInput:
@@ -65,9 +56,7 @@ class TokenizerServicer:
         start = time.perf_counter()
         code = "OK"
         try:
-            if isinstance(request, BadRequest):
-                raise InvalidArgument(request.reason)
-            return handler(request)
+            return handler(wire.parsed(request))
         except ServiceError as exc:
             code = exc.code.name
             raise

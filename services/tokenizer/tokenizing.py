@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from services.tokenizer.registry import TokenizerRegistry
 from tokenserve.runtime.errors import InvalidArgument
+from tokenserve.text import check_no_nul
 from tokenserve.tokenization import ModelTokenizer
 
 
@@ -103,7 +104,7 @@ class Tokenization:
 
     def _check_input(self, item: EncodeInput, prefix: str) -> None:
         if item.text is not None:
-            self._check_nul(item.text, f"{prefix}text")
+            check_no_nul(item.text, f"{prefix}text")
             # A character is 1..4 UTF-8 bytes: only measure when the text could be over.
             if len(item.text) * 4 > self.max_text_bytes:
                 self._check_size(len(item.text.encode("utf-8")), f"{prefix}text")
@@ -116,15 +117,9 @@ class Tokenization:
         for j, turn in enumerate(item.messages):
             for name in ("role", "content"):
                 value = getattr(turn, name)
-                self._check_nul(value, f"{prefix}chat.messages[{j}].{name}")
+                check_no_nul(value, f"{prefix}chat.messages[{j}].{name}")
                 total += len(value.encode("utf-8"))
         self._check_size(total, f"{prefix}chat")
-
-    @staticmethod
-    def _check_nul(text: str, field: str) -> None:
-        nul = text.find("\x00")
-        if nul >= 0:
-            raise InvalidArgument(f"{field} contains a NUL character at offset {nul}; remove it")
 
     def _check_size(self, size: int, field: str) -> None:
         if size > self.max_text_bytes:

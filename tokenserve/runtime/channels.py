@@ -13,5 +13,9 @@ _OPTIONS = [
 ]
 
 
-def aio_channel(target: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=_OPTIONS)
+def aio_channel(target: str, *, token: str | None = None) -> grpc.aio.Channel:
+    """`token`: a service token every call carries (tokenserve.runtime.service_token)."""
+    from tokenserve.runtime.service_token import client_interceptors
+
+    return grpc.aio.insecure_channel(target, options=_OPTIONS,
+                                     interceptors=client_interceptors(token) or None)

@@ -145,8 +145,13 @@ class SyncErrorInterceptor(grpc.ServerInterceptor):
 class GrpcServer:
     def __init__(self, service: str, registrations: list[Registration], options: ServerOptions,
                  *, on_stop: list[Callable[[], Awaitable[None]]] | None = None,
-                 on_drain: list[Callable[[], None]] | None = None):
+                 on_drain: list[Callable[[], None]] | None = None,
+                 interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()):
         self.service = service
+        # Run inside the error mapping (grpc.aio servers only), e.g. service_token.RequireToken.
+        self.interceptors = tuple(interceptors)
+        if self.interceptors and options.handler_threads is not None:
+            raise ValueError("extra interceptors need the grpc.aio server (no handler_threads)")
         self.registrations = registrations
         self.options = options
         self.on_stop = list(on_stop or [])
@@ -173,7 +178,8 @@ class GrpcServer:
             server = grpc.server(ThreadPoolExecutor(opts.handler_threads, thread_name_prefix="grpc"),
                                  interceptors=[SyncErrorInterceptor()], options=grpc_options)
         else:
-            server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=grpc_options)
+            server = grpc.aio.server(interceptors=[ErrorInterceptor(), *self.interceptors],
+                                     options=grpc_options)
         for reg in self.registrations:
             reg.add_to_server(reg.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

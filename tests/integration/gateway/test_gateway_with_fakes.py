@@ -121,32 +121,7 @@ def test_disabled_tenant_is_permission_denied(gateway, control):
     assert wait_for(lambda: code() == grpc.StatusCode.PERMISSION_DENIED)
 
 
-@pytest.mark.parametrize("req, code, text", [
-    (pb.GenerateRequest(prompt="", max_tokens=4), "INVALID_ARGUMENT", "prompt"),
-    (pb.GenerateRequest(prompt="hi"), "INVALID_ARGUMENT", "max_tokens must be >= 1"),
-    (pb.GenerateRequest(prompt="hi", max_tokens=-2), "INVALID_ARGUMENT", "max_tokens"),
-    (pb.GenerateRequest(prompt="hi", max_tokens=FREE_MAX_TOKENS + 1), "INVALID_ARGUMENT",
-     f"at most {FREE_MAX_TOKENS}"),
-    (pb.GenerateRequest(prompt="hi", max_tokens=2, top_p=0), "INVALID_ARGUMENT", "top_p"),
-    (pb.GenerateRequest(prompt="hi", max_tokens=2, stop=["s"] * 17), "INVALID_ARGUMENT",
-     "stop"),
-    (pb.GenerateRequest(prompt="hi", max_tokens=2, model="gpt-9"), "NOT_FOUND", MODEL),
-    (pb.GenerateRequest(prompt="hi", max_tokens=2, model="lonely"), "UNAVAILABLE", "lonely"),
-    (pb.GenerateRequest(prompt=" ".join(["w"] * 60), max_tokens=10), "INVALID_ARGUMENT",
-     "context of 64"),
-])
-def test_bad_requests_get_precise_statuses(gateway, key, req, code, text):
-    stub = gateway.stub()
-    got, details = code_of(lambda: list(stub.Generate(req, metadata=auth(key), timeout=10)))
-    assert got.name == code and text in details
-
-
-def test_downstream_errors_keep_their_code(gateway, key):
-    stub = gateway.stub()
-    bad_chat = pb.ChatRequest(messages=[common_pb2.ChatMessage(role="robot", content="x")],
-                              max_tokens=2)
-    got, details = code_of(lambda: list(stub.Chat(bad_chat, metadata=auth(key), timeout=10)))
-    assert got == grpc.StatusCode.INVALID_ARGUMENT and "messages[0].role" in details
+# Bad requests (every field, both adapters): tests/bad_input.py, run by test_bad_input.py.
 
 
 def test_client_cancel_cancels_the_engine_call_and_is_metered(gateway, key, engine, meter_stub):

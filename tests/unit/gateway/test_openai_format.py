@@ -51,6 +51,9 @@ def test_unreadable_retry_after_is_left_out():
     ("prompt is 63 tokens and max_tokens is 10", CHAT, None),
     ("prompt is 63 tokens and max_tokens is 10", CompletionRequest.model_fields, "prompt"),
     ("deadline of 3s passed", CHAT, None),
+    ("stop[1] must be 1-256 characters, got 0", CHAT, "stop[1]"),
+    ("messages: every content is empty", CHAT, "messages"),
+    ("messages[1].content contains a NUL character at offset 0", CHAT, "messages[1].content"),
 ])
 def test_param_names_the_public_field(message, fields, param):
     assert param_of(message, fields) == param

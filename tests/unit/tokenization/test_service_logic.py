@@ -6,7 +6,7 @@ import pytest
 
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.main import parse_args
-from services.tokenizer.wire import BadRequest, lenient
+from tokenserve.runtime.wire import BadRequest, lenient
 from tokenserve.common.v1 import common_pb2
 from tokenserve.models import DEFAULT_MODEL_NAME, default_model_path
 from tokenserve.tokenizer.v1 import tokenizer_pb2 as pb

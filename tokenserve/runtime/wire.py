@@ -2,17 +2,27 @@
 
 protobuf rejects a proto3 `string` field holding invalid UTF-8 while parsing; inside grpc that
 happens before any handler runs, and the caller would see INTERNAL "Exception deserializing
-request!". The deserializers here catch the failure and hand the servicer a `BadRequest` that
-names the field (`chat.messages[1].content`) and the byte offset, by walking the wire format
-against the message descriptor.
+request!" (UNKNOWN on grpc.aio). The deserializers here catch the failure and hand the servicer
+a `BadRequest` that names the field (`chat.messages[1].content`) and the byte offset, by
+walking the wire format against the message descriptor; `parsed(request)` in the handler turns
+it into InvalidArgument.
+
+    add_servicer(servicer, server, tokenizer_pb2, "TokenizerService")  # instead of the
+    # generated add_TokenizerServiceServicer_to_server
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from types import ModuleType
+from typing import Callable, TypeVar
 
+import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
+
+from tokenserve.runtime.errors import InvalidArgument
+
+M = TypeVar("M", bound=Message)
 
 
 @dataclass(frozen=True)
@@ -20,6 +30,34 @@ class BadRequest:
     """Stands in for a request that could not be parsed; `reason` is caller-facing."""
 
     reason: str
+
+
+def parsed(request: M | BadRequest) -> M:
+    """The request; InvalidArgument (naming the field) when it could not be parsed."""
+    if isinstance(request, BadRequest):
+        raise InvalidArgument(request.reason)
+    return request
+
+
+def add_servicer(servicer, server, pb_module: ModuleType, service: str) -> None:
+    """Like the generated `add_<service>Servicer_to_server` (unary and server-streaming
+    methods, sync or grpc.aio server), but every request goes through `lenient`: handlers
+    get a `BadRequest` for undecodable bytes and call `parsed` on it."""
+    desc = pb_module.DESCRIPTOR.services_by_name[service]
+    handlers = {}
+    for m in desc.methods:
+        if m.client_streaming:
+            raise ValueError(f"{service}.{m.name}: client streaming is not supported")
+        make = (grpc.unary_stream_rpc_method_handler if m.server_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        handlers[m.name] = make(
+            getattr(servicer, m.name),
+            request_deserializer=lenient(getattr(pb_module, m.input_type.name)),
+            response_serializer=getattr(pb_module, m.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(desc.full_name, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):
+        server.add_registered_method_handlers(desc.full_name, handlers)
 
 
 def lenient(message_type: type[Message]) -> Callable[[bytes], Message | BadRequest]:
