@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.scheduler import StepCosts
+from services.engine.step_costs import StepCosts
 from services.engine.speculation import NgramDrafter, SpeculationConfig, draft_tokens_worth
 from tests.unit.engine_core.fakes import copying_token, make_seq, reference_output
 from tests.unit.engine_core.test_engine_core import drain
