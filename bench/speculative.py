@@ -17,9 +17,15 @@ shared across runs, workloads or streams. The engine runs its default configurat
 `--no-prefix-caching`, so the second mode cannot find the first mode's prompts in the prefix
 cache (nothing else would hit it: every prompt is unique); --engine-arg replaces those flags.
 
-Greedy output is the same either way (the engine guarantees it): the bench compares every
-stream's tokens and token count between the two modes and reports the agreement in the JSON
-(`output_check`), with the first differing position of any stream that differs.
+Greedy output is the same either way (the engine guarantees it for the same prompt KV): the
+bench compares every stream's tokens and token count between the two modes and reports the
+agreement in the JSON (`output_check`), with the first differing position of any stream that
+differs. At 1 stream each prompt is prefilled the same way in both modes and must match. At
+16 the scheduler sizes prompt chunks from measured step times, and in the default
+configuration (bfloat16 prefill, float16 KV cache) where a prompt's chunks split moves its KV
+slightly, enough to flip a near tie (measured in-process: one of three tool-call prompts
+prefilled in chunks of 100 instead of one parts at its 29th token, with no drafts at all), so
+a difference there is not by itself a speculation bug.
 
 Per stream: TTFT (send -> first token) and per-user tokens/s (completion tokens after the
 first / time from first to last token); per workload: median per-user tok/s, aggregate tok/s
