@@ -7,17 +7,31 @@ on ephemeral ports), issues a premium-tier key and streams Chat requests through
 with the SDK (tokenserve.client.AsyncClient). Workloads, greedy:
   - code_edit: rewrite a 60-line Python function with one small change (the answer copies
     most of the prompt);
-  - tool_call: fill a JSON schema given in the prompt (the answer copies key names);
+  - tool_call: fill a JSON schema given in the prompt, its arguments' keys listed in the
+    request (the answer copies the keys and writes its own values);
   - chat: free-form questions (little to copy).
 Each at 1 and 16 concurrent streams, with `speculation` left to the engine (on) and turned
-off per request, alternating which goes first. Every request starts with a fresh nonce, so
-no request finds another's prompt in the prefix cache. Greedy output is the same either way
-(the engine guarantees it; the bench checks the token counts agree).
+off per request, back to back, alternating which goes first. Both modes get the same prompts:
+each (run, workload, concurrency, stream) has its own nonce in the first line, so no prompt is
+shared across runs, workloads or streams. The engine runs its default configuration plus
+`--no-prefix-caching`, so the second mode cannot find the first mode's prompts in the prefix
+cache (nothing else would hit it: every prompt is unique); --engine-arg replaces those flags.
+
+Greedy output is the same either way (the engine guarantees it for the same prompt KV): the
+bench compares every stream's tokens and token count between the two modes and reports the
+agreement in the JSON (`output_check`), with the first differing position of any stream that
+differs. At 1 stream each prompt is prefilled the same way in both modes and must match. At
+16 the scheduler sizes prompt chunks from measured step times, and in the default
+configuration (bfloat16 prefill, float16 KV cache) where a prompt's chunks split moves its KV
+slightly, enough to flip a near tie (measured in-process: one of three tool-call prompts
+prefilled in chunks of 100 instead of one parts at its 29th token, with no drafts at all), so
+a difference there is not by itself a speculation bug.
 
 Per stream: TTFT (send -> first token) and per-user tokens/s (completion tokens after the
 first / time from first to last token); per workload: median per-user tok/s, aggregate tok/s
 (tokens / wall time), p50 TTFT, and the draft acceptance rate from the engine's /metrics.
-Medians over --runs. Writes bench/results/speculative.json (with the CPU flags) and .png.
+Medians over --runs. Writes bench/results/speculative.json (with bench.machine's facts: CPU
+flags, copy bandwidth) and .png.
 """
 from __future__ import annotations
 
@@ -35,7 +49,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from bench.machine import machine_facts  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
+# The engine's defaults, without the prefix cache (see the module docstring).
+ENGINE_ARGS = ["--no-prefix-caching"]
 TENANT = "bench-speculative"
 
 # -- workloads --------------------------------------------------------------------------
@@ -77,10 +96,14 @@ def tool_call(seed: int) -> list[dict]:
     schema = {"name": "create_order", "description": "Create an order in the shop system",
               "parameters": {"type": "object", "properties": props, "required": _FIELDS[:5]}}
     city = ["Paris", "Osaka", "Lima", "Oslo", "Cairo", "Perth"][seed % 6]
+    # The arguments' keys are listed in the request too: asked only to fill the schema,
+    # SmolLM2-135M answers in prose (nothing to copy; not a tool call).
+    arguments = json.dumps({f: "" for f in _FIELDS}, indent=2)
     return [{"role": "system", "content": "You call tools. Answer with one JSON object that"
              f" fills every field of this schema:\n{json.dumps(schema, indent=2)}"},
-            {"role": "user", "content": f"Customer Ana Lopez in {city} ordered 3 lamps for 120.50"
-             f" EUR today; order {4000 + seed}, status pending, 5% discount."}]
+            {"role": "user", "content": f"Order: Customer Ana Lopez in {city} ordered 3 lamps for"
+             f" 120.50 EUR today; order {4000 + seed}, status pending, 5% discount.\n\nCopy this"
+             f" JSON and fill in the values from the order:\n```json\n{arguments}\n```"}]
 
 
 CHAT_QUESTIONS = ["Why is the sky blue?", "Give me three tips for a job interview.",
@@ -109,16 +132,17 @@ async def one_stream(client, messages, max_tokens: int, speculation: bool | None
     opts = {} if speculation is None else {"speculation": speculation}
     t0 = time.perf_counter()
     first = last = None
-    tokens = 0
+    ids: list[int] = []
     async for chunk in client.chat(messages, max_tokens=max_tokens, temperature=0.0, **opts):
         if chunk.token_ids:
             now = time.perf_counter()
             first = first or now
             last = now
-            tokens += len(chunk.token_ids)
+            ids.extend(chunk.token_ids)
+    tokens = len(ids)
     per_user = (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")
     return {"ttft_s": (first or time.perf_counter()) - t0, "tokens": tokens,
-            "per_user_tok_s": per_user}
+            "per_user_tok_s": per_user, "token_ids": ids}
 
 
 def draft_counters(metrics_url: str) -> tuple[float, float]:
@@ -150,17 +174,22 @@ async def run_load(target: str, key: str, metrics_url: str, workload: str, strea
             "per_user_tok_s": statistics.median(r["per_user_tok_s"] for r in res),
             "ttft_p50_s": statistics.median(r["ttft_s"] for r in res),
             "draft_proposed": proposed, "draft_accepted": accepted,
-            "acceptance_rate": accepted / proposed if proposed else 0.0}
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "streams": [r["token_ids"] for r in res]}
 
 
-def cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return []
+def compare_outputs(on: list[list[int]], off: list[list[int]]) -> dict:
+    """Per stream of one load run in both modes: identical tokens, equal token counts, and
+    where any stream first differs."""
+    diffs = []
+    for i, (a, b) in enumerate(zip(on, off)):
+        if a != b:
+            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            diffs.append({"stream": i, "first_difference": at, "tokens_on": len(a),
+                          "tokens_off": len(b)})
+    return {"streams": len(on), "identical": len(on) - len(diffs),
+            "same_token_counts": sum(len(a) == len(b) for a, b in zip(on, off)),
+            "differences": diffs}
 
 
 def cpu_model() -> str:
@@ -188,6 +217,7 @@ async def create_tenant(endpoint: str) -> None:
 
 def main(argv=None) -> int:
     from controlplane.launcher import Suite, SuitePorts
+    from tokenserve.models import default_model_path
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
@@ -195,18 +225,20 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--engine-arg", action="append", default=None,
-                    help="engine flag (default: --quantization=int8 --kv-cache-dtype=float16,"
-                         " the fast CPU setting)")
+                    help=f"engine flag, replacing the default {' '.join(ENGINE_ARGS)} (the"
+                         " engine's own defaults otherwise)")
     ap.add_argument("--out", default=str(RESULTS / "speculative"))
     a = ap.parse_args(argv)
-    engine_args = a.engine_arg if a.engine_arg is not None else [
-        "--quantization=int8", "--kv-cache-dtype=float16"]
+    engine_args = a.engine_arg if a.engine_arg is not None else ENGINE_ARGS
     conc = [int(c) for c in a.concurrency.split(",")]
     names = a.workloads.split(",")
     data = Path(tempfile.mkdtemp(prefix="bench-speculative-"))
     suite = Suite(data, SuitePorts.ephemeral(), engine_args=tuple(engine_args),
                   say=lambda m: print(m, flush=True))
     raw: dict[str, list[dict]] = {}
+    checks: dict[str, list[dict]] = {}
+    facts = machine_facts(default_model_path())
+    print("machine:", {k: v for k, v in facts.items() if k != "cpu_flags"}, flush=True)
     try:
         suite.start()
         asyncio.run(create_tenant(suite.etcd_endpoint))
@@ -225,13 +257,20 @@ def main(argv=None) -> int:
                     modes = [("on", None), ("off", False)]
                     if run % 2:
                         modes.reverse()  # neither mode always runs first
+                    streams = {}
                     for mode, spec in modes:
-                        r = load(w, c, spec, f"r{run}-{w}-{c}-{mode}")
+                        # the same nonce in both modes: the same prompts
+                        r = load(w, c, spec, f"r{run}-{w}-{c}")
+                        streams[mode] = r.pop("streams")
                         raw.setdefault(f"{w}/c{c}/{mode}", []).append(r)
                         print(f"run {run} {w:9s} c={c:<2d} {mode:3s} per-user {r['per_user_tok_s']:6.1f}"
                               f" tok/s  aggregate {r['aggregate_tok_s']:6.1f} tok/s  ttft p50"
                               f" {r['ttft_p50_s']:.2f}s  acceptance {r['acceptance_rate']:.2f}"
                               f"  tokens {r['tokens']}", flush=True)
+                    check = compare_outputs(streams["on"], streams["off"])
+                    checks.setdefault(f"{w}/c{c}", []).append(check)
+                    print(f"run {run} {w:9s} c={c:<2d} outputs identical in"
+                          f" {check['identical']}/{check['streams']} streams", flush=True)
     finally:
         suite.stop()
 
@@ -245,18 +284,24 @@ def main(argv=None) -> int:
                     "per_user_on_over_off": round(on["per_user_tok_s"] / off["per_user_tok_s"], 3),
                     "aggregate_on_over_off": round(on["aggregate_tok_s"] / off["aggregate_tok_s"], 3),
                     "ttft_on_over_off": round(on["ttft_p50_s"] / off["ttft_p50_s"], 3)}
+    output_check = {g: {"streams": sum(c["streams"] for c in cs),
+                        "identical": sum(c["identical"] for c in cs),
+                        "same_token_counts": sum(c["same_token_counts"] for c in cs),
+                        "differences": [d for c in cs for d in c["differences"]]}
+                    for g, cs in checks.items()}
     report = {"benchmark": "speculative", "when": datetime.now(timezone.utc).isoformat(),
-              "machine": {"cpus": len(os.sched_getaffinity(0)), "cpu": cpu_model(),
-                          "platform": platform.platform(), "cpu_flags": cpu_flags(),
+              "machine": {**facts, "cpu": cpu_model(), "platform": platform.platform(),
                           "load_avg_at_end": os.getloadavg()},
               "model": "SmolLM2-135M-Instruct Q4_1 (GGUF)", "engine_args": engine_args,
               "path": "SDK -> gateway -> engine (whole suite, premium tier), Chat, greedy",
               "runs": a.runs, "max_tokens": a.max_tokens, "results": results,
-              "ratios": ratios, "raw": raw}
+              "ratios": ratios, "output_check": output_check, "raw": raw}
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".json").write_text(json.dumps(report, indent=2))
     plot(results, names, conc, Path(a.out + ".png"))
     print(json.dumps(ratios, indent=2))
+    print(json.dumps({g: {k: v for k, v in c.items() if k != "differences"}
+                      for g, c in output_check.items()}, indent=2))
     return 0
 
 

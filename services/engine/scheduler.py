@@ -33,8 +33,10 @@ Policies:
 Speculative decoding (`speculation`): a decoding sequence may carry draft tokens guessed by
 prompt lookup (speculation.py) after its last token; the runner verifies them in the same
 step and the sequence advances by the accepted drafts plus one token. Drafts get the budget
-left once every running sequence has its one token, best-accepting sequences first, and
-never cause a preemption: when blocks are short the sequence decodes plainly. The slots of
+left once every running sequence has its tokens and waiting prompts are admitted (they never
+delay a prompt), best-accepting sequences first, only as many as are expected to pay for
+their verification (learned step costs: `_add_drafts`), and never cause a preemption: when
+blocks are short the sequence decodes plainly. The slots of
 rejected drafts lie beyond num_computed_tokens, so the next step overwrites them; blocks
 that held only rejected drafts are freed at once.
 
@@ -42,6 +44,7 @@ Pure Python (no torch); unit-tested with hand-built runner outputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
@@ -49,7 +52,8 @@ from dataclasses import dataclass, field
 from services.engine.block_manager import BlockManager
 from services.engine.interface import Batch, RunnerOutput, SampledToken, SeqChunk
 from services.engine.sequence import FinishReason, SeqStatus, Sequence
-from services.engine.speculation import NgramDrafter, SpeculationConfig
+from services.engine.speculation import NgramDrafter, SpeculationConfig, draft_tokens_worth
+from services.engine.step_costs import StepCosts
 
 
 @dataclass(frozen=True)
@@ -87,43 +91,6 @@ class SchedulerConfig:
 
 # Fewest prompt tokens a step computes beside decodes under an inter-token latency target.
 MIN_PREFILL_CHUNK = 32
-
-
-class StepCosts:
-    """What steps cost, learned from the runner's timings: the last decode-only step's
-    seconds, and seconds per prompt token on top of the decodes (moving averages)."""
-
-    _WEIGHT = 0.3  # of the newest observation
-
-    def __init__(self):
-        self.decode_step: float | None = None
-        self.per_prompt_token: float | None = None
-
-    def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        if not prompt_tokens:
-            self.decode_step = self._avg(self.decode_step, seconds)
-            return
-        if decode_rows:
-            if self.decode_step is None:
-                return  # cannot split the step between decodes and prompt yet
-            seconds -= self.decode_step
-        if seconds > 0:
-            self.per_prompt_token = self._avg(self.per_prompt_token, seconds / prompt_tokens)
-
-    def prompt_tokens_within(self, seconds: float) -> int | None:
-        """Prompt tokens a step with the current decodes can add and stay within `seconds`,
-        but at least half the decodes' time's worth (a third of the step), so new requests
-        are not starved when the decodes alone use up the target. None until both costs
-        are known."""
-        if self.decode_step is None or self.per_prompt_token is None:
-            return None
-        room = max(seconds - self.decode_step, self.decode_step / 2)
-        return int(room / self.per_prompt_token)
-
-    def _avg(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self._WEIGHT * (new - old)
 
 
 @dataclass
@@ -205,7 +172,6 @@ class Scheduler:
         self.running.sort(key=lambda s: (s.num_remaining > 1, -s.priority, s.arrival))
         prompt_left = self._prompt_allowance()
         hold = self._burst_hold(now)
-        drafts = self._propose(budget)
         scheduled: set[int] = set()
         preempted = False
         i = 0
@@ -219,15 +185,6 @@ class Scheduler:
             n = min(seq.num_remaining, budget, prompt_left if seq.num_remaining > 1 else 1)
             if hold:
                 n = _hold_back(seq, n, seq.num_remaining)
-            draft = drafts.get(seq.seq_id, ())
-            # drafts only where they fit and leave a block for each sequence still to decode
-            if draft and budget >= 1 + len(draft) and self.blocks.allocate(
-                    seq, 1 + len(draft), reserve=len(self.running) - i - 1):
-                chunks.append(self._chunk(seq, 1, now, draft))
-                scheduled.add(seq.seq_id)
-                budget -= 1 + len(draft)
-                i += 1
-                continue
             while not self.blocks.allocate(seq, n):
                 victim = self._pick_victim(scheduled)
                 self._preempt(victim)
@@ -244,37 +201,51 @@ class Scheduler:
                 continue
             # seq itself was preempted: running[i] is now the next one
         if not preempted and prompt_left > 0:
-            self._admit(chunks, min(budget, prompt_left), now, hold)
+            budget -= self._admit(chunks, min(budget, prompt_left), now, hold)
+        if chunks:
+            self._add_drafts(chunks, budget)
         # Ended sequences reach the runner with the next batch that has work.
         finished: list[int] = []
         if chunks:
             finished, self._finished_ids = self._finished_ids, []
         return Batch(chunks=chunks, finished_seq_ids=finished)
 
-    def _propose(self, budget: int) -> dict[int, list[int]]:
-        """Draft tokens per decoding sequence for this step, within the budget left after one
-        token for every running sequence."""
+    def _add_drafts(self, chunks: list[SeqChunk], budget: int) -> None:
+        """Adds draft tokens to this step's decodes, within the budget the step has left, the
+        blocks free beyond one per running sequence (drafts never cause a preemption), and
+        what pays: a draft token is verified only while its chance to be kept (the drafter's
+        rate to the power of its place) is at least `StepCosts.draft_min_yield`, so a step
+        with drafts is expected to yield at least as many tokens per second as without them.
+        On one stream a CPU's draft token costs ~a tenth of a decode and most drafts pay; in
+        a batch that is already compute-bound each costs about a row of its own, and only
+        near-certain ones do. Best-accepting sequences draft first."""
         spec = self.config.speculation
         if not spec.enabled:
-            return {}
-        room = min(spec.max_draft_tokens_per_step, budget - len(self.running))
-        candidates = [s for s in self.running if s.speculation and _streaming(s)]
-        for s in candidates:
+            return
+        room = min(spec.max_draft_tokens_per_step, budget)
+        decodes = [(i, self._by_id[c.seq_id]) for i, c in enumerate(chunks)
+                   if c.sample and len(c.token_ids) == 1]
+        candidates = [(i, s) for i, s in decodes if s.speculation and _streaming(s)]
+        if not candidates or room <= 0:
+            return
+        for _, s in candidates:
             if s.drafter is None:
                 s.drafter = NgramDrafter(spec)
-        candidates.sort(key=lambda s: -s.drafter.acceptance)
-        out: dict[int, list[int]] = {}
-        for s in candidates:
+        min_yield = self.costs.draft_min_yield(len(decodes))
+        candidates.sort(key=lambda c: -c[1].drafter.rate)
+        for i, s in candidates:
             if room <= 0:
                 break
             # the step yields up to 1 + drafts tokens: stay within max_tokens and the context
             limit = min(room, s.stop.max_tokens - len(s.output_token_ids) - 1,
                         self.config.max_model_len - s.num_tokens)
-            d = s.drafter.propose(s.tokens(0, s.num_tokens), limit)
-            if d:
-                out[s.seq_id] = d
-                room -= len(d)
-        return out
+            limit = draft_tokens_worth(s.drafter.rate, min_yield, limit)
+            draft = s.drafter.propose(s.tokens(0, s.num_tokens), limit)
+            if draft and self.blocks.allocate(s, 1 + len(draft), reserve=len(self.running)):
+                c = chunks[i]
+                chunks[i] = dataclasses.replace(c, token_ids=c.token_ids + draft,
+                                                num_draft_tokens=len(draft))
+                room -= len(draft)
 
     def _prompt_allowance(self) -> int:
         """Prompt tokens this step may compute (beside any decodes)."""
@@ -304,8 +275,10 @@ class Scheduler:
         self._hold_since = None
         return False
 
-    def _admit(self, chunks: list[SeqChunk], budget: int, now: float, hold: bool) -> None:
+    def _admit(self, chunks: list[SeqChunk], budget: int, now: float, hold: bool) -> int:
+        """Admits waiting sequences into this step; returns the tokens they take."""
         cfg = self.config
+        start = budget
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self._next_waiting()
             cached = self.blocks.find_cached_prefix(seq)
@@ -325,6 +298,7 @@ class Scheduler:
             self._tenant_last_admit[seq.tenant_id] = next(self._admit_counter)
             chunks.append(self._chunk(seq, n, now))
             budget -= n
+        return start - budget
 
     def _next_waiting(self) -> Sequence:
         top = max(s.priority for s in self.waiting)
@@ -367,15 +341,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.insert(0, seq)
 
-    def _chunk(self, seq: Sequence, n: int, now: float, draft=()) -> SeqChunk:
+    def _chunk(self, seq: Sequence, n: int, now: float) -> SeqChunk:
         start = seq.num_computed_tokens
         if seq.first_scheduled_at is None:
             seq.first_scheduled_at = now
-        return SeqChunk(seq_id=seq.seq_id, token_ids=seq.tokens(start, start + n) + list(draft),
+        return SeqChunk(seq_id=seq.seq_id, token_ids=seq.tokens(start, start + n),
                         start_pos=start, block_table=seq.block_table,
                         sample=start + n == seq.num_tokens, sampling=seq.sampling,
                         prompt_token_ids=seq.prompt_token_ids,
-                        output_token_ids=seq.output_token_ids, num_draft_tokens=len(draft))
+                        output_token_ids=seq.output_token_ids)
 
     def update(self, batch: Batch, output: RunnerOutput, now: float = 0.0) -> list[TokenEvent]:
         """Applies a step's results: advances progress, appends sampled tokens, and ends
@@ -384,7 +358,8 @@ class Scheduler:
         decodes = [c for c in batch.chunks if len(c.token_ids) - c.num_draft_tokens == 1]
         prompt_tokens = sum(len(c.token_ids) for c in batch.chunks) - sum(
             len(c.token_ids) for c in decodes)
-        self.costs.observe(len(decodes), prompt_tokens, output.seconds)
+        self.costs.observe(len(decodes), prompt_tokens, output.seconds,
+                           sum(c.num_draft_tokens for c in batch.chunks))
         for chunk in batch.chunks:
             seq = self._by_id.get(chunk.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:

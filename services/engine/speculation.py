@@ -2,25 +2,41 @@
 an earlier occurrence of its last tokens, in the prompt or in its own output.
 
     drafter = NgramDrafter(config)
-    drafts = drafter.propose(seq_tokens)           # up to config.num_draft_tokens ids
+    drafts = drafter.propose(seq_tokens, limit)    # up to min(limit, num_draft_tokens) ids
     ...one step verifies [last token] + drafts...
-    drafter.observe(len(drafts), num_accepted)     # adapts: stops drafting when it misses
+    drafter.observe(len(drafts), num_accepted, num_tokens)   # adapts
 
 Code edits, tool calls and quoting answers repeat long spans of their prompt; there one
-verification step yields several tokens for the price of about one decode. The drafter keeps
-an index of where every bigram of the sequence occurs (built once, extended as tokens
-arrive) and picks, among the latest occurrences of the last bigram, the one whose preceding
-tokens agree longest with the sequence's tail: an edit that copies a file stays aligned with
-the copy it is making, not with the latest line that happens to start the same way.
+verification step yields several tokens for little more than one decode. The drafter keeps an
+index of where every bigram (and every token) of the sequence occurs, built once and extended
+as tokens arrive, and picks the source to copy from in this order:
 
-Adaptive off-switch: an exponential moving average of the accepted share of drafts; below
-`min_acceptance` the sequence stops drafting for `retry_after` tokens, then probes again
-(the part of an edit that rewrites text is followed by a part that copies again).
+- a long match: among the latest occurrences of the last bigram, the one whose preceding
+  tokens agree longest with the sequence's tail, when that agreement reaches `strong_match`
+  tokens (an edit that copies a file stays aligned with the copy it is making);
+- else the continuation of the last copy: the first occurrence of the last bigram, or of the
+  last token alone, within `window` tokens after where the last accepted draft came from. A
+  tool call that fills a JSON template copies a key, writes its own value, then copies the
+  next key: the value breaks every n-gram match, but the next key follows the last copy's
+  source;
+- else the longest-agreeing occurrence, if it agrees on at least `min_match` tokens.
+
+Draft length follows the evidence: a match that agreed on s tokens drafts s tokens (s + 2 for
+a continuation), at most num_draft_tokens, so a weak match risks one or two tokens and a long
+copy drafts many.
+
+Adaptive: `rate` is a moving estimate of the chance that a draft token is accepted when the
+ones before it were (accepted tokens / (accepted tokens + rejections)). The scheduler verifies
+a draft's j-th token only while rate**j, its chance to be kept, pays for what it adds to the
+step (`draft_tokens_worth`). Below `min_acceptance` the sequence stops drafting for
+`retry_after` tokens, then probes again (the part of an edit that rewrites text is followed by
+a part that copies again).
 
 Pure Python (no torch): the scheduler owns one drafter per speculating sequence.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 
@@ -30,16 +46,21 @@ class SpeculationConfig:
     enabled: bool = True
     # Most draft tokens verified per sequence per step.
     num_draft_tokens: int = 8
-    # Tokens of the sequence's tail an earlier occurrence must match before it is copied.
-    min_match: int = 3
+    # Tokens of the sequence's tail an earlier occurrence must match before it is copied
+    # (a continuation of the last copy needs only the last token).
+    min_match: int = 2
+    # A match this long is copied even when the last copy's continuation is elsewhere.
+    strong_match: int = 6
+    # How far after the last copy's source its continuation is looked for (tokens).
+    window: int = 32
     # Most earlier occurrences of the last bigram compared (the latest ones).
     max_candidates: int = 64
-    # Below this moving-average share of accepted drafts, a sequence stops drafting...
-    min_acceptance: float = 0.25
+    # Below this per-token acceptance estimate a sequence stops drafting...
+    min_acceptance: float = 0.15
     # ...for this many generated tokens, then tries again.
-    retry_after: int = 64
-    # Most draft tokens in one step across all sequences (verification is not free when
-    # many sequences decode together: drafts go to the best-accepting sequences first).
+    retry_after: int = 32
+    # Most draft tokens in one step across all sequences (the scheduler also keeps only the
+    # drafts whose expected yield pays for their verification; see scheduler.py).
     max_draft_tokens_per_step: int = 64
 
     def __post_init__(self):
@@ -47,77 +68,129 @@ class SpeculationConfig:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.min_match < 2:
             raise ValueError(f"min_match must be >= 2, got {self.min_match}")
-        if self.max_candidates < 1 or self.retry_after < 1:
-            raise ValueError("max_candidates and retry_after must be >= 1")
+        if self.strong_match < self.min_match:
+            raise ValueError("strong_match must be >= min_match")
+        if self.max_candidates < 1 or self.retry_after < 1 or self.window < 1:
+            raise ValueError("max_candidates, retry_after and window must be >= 1")
         if not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
         if self.max_draft_tokens_per_step < 0:
             raise ValueError("max_draft_tokens_per_step must be >= 0")
 
 
-# Weight of the newest step in the acceptance moving average.
-_EMA_WEIGHT = 0.3
+# Weight of the newest verification in the acceptance estimates.
+_EMA_WEIGHT = 0.1
 # Longest tail compared when ranking occurrences (longer agreements rank equal).
 _MAX_SCORE = 32
+# Extra draft tokens for a continuation of the last copy (its match is one or two tokens).
+_CONTINUATION_EXTRA = 2
+
+
+def draft_tokens_worth(rate: float, min_yield: float, n: int) -> int:
+    """How many of n draft tokens to verify: the j-th is kept with probability about rate**j,
+    so verify while that is at least min_yield (the tokens a draft token must be expected to
+    add for the step to yield as many tokens per second as without it)."""
+    if min_yield <= 0:
+        return n
+    j, p = 0, rate
+    while j < n and p >= min_yield:
+        j += 1
+        p *= rate
+    return j
 
 
 class NgramDrafter:
-    """Per-sequence drafting state: the bigram index and the acceptance average."""
+    """Per-sequence drafting state: the n-gram indexes, the last copy's source, and the
+    acceptance estimates."""
 
     def __init__(self, config: SpeculationConfig):
         self.config = config
-        self._index: dict[tuple[int, int], list[int]] = {}  # bigram -> positions of its 2nd token
+        self._bigrams: dict[tuple[int, int], list[int]] = {}  # bigram -> positions of its 2nd token
+        self._tokens: dict[int, list[int]] = {}  # token -> its positions
         self._indexed = 0  # tokens of the sequence indexed so far
-        self.acceptance = 1.0  # moving average of accepted / proposed
+        self._source: int | None = None  # position of the last source token a draft copied and kept
+        self._proposed_from: int | None = None  # where the pending proposal copies from
+        # moving averages of accepted tokens and of rejections per verification
+        self._kept, self._missed = 1.0, 0.0
         self._paused_until = 0  # sequence length before which no drafts are proposed
         self.proposed = 0
         self.accepted = 0
 
+    @property
+    def rate(self) -> float:
+        """Estimated chance that a draft token is accepted, given the ones before it were."""
+        return self._kept / (self._kept + self._missed)
+
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to min(limit, num_draft_tokens) tokens guessed to follow `tokens`."""
-        n = min(limit, self.config.num_draft_tokens)
+        self._proposed_from = None
+        cfg = self.config
+        n = min(limit, cfg.num_draft_tokens)
         if n <= 0 or len(tokens) < self._paused_until or len(tokens) < 3:
             return []
         self._extend(tokens)
         last = len(tokens) - 1
-        found = self._index.get((tokens[-2], tokens[-1]))
-        if not found:
+        best, best_score, follow, follow_score = self._candidates(tokens, last)
+        if best_score >= cfg.strong_match or (follow < 0 and best_score >= cfg.min_match):
+            p, length = best, best_score
+        elif follow >= 0:
+            p, length = follow, follow_score + _CONTINUATION_EXTRA
+        else:
             return []
-        best, best_score = -1, 0
-        # positions before `last` (the tail itself is indexed too), latest first
+        self._proposed_from = p
+        return tokens[p + 1:p + 1 + min(n, length)]
+
+    def _candidates(self, tokens: list[int], last: int) -> tuple[int, int, int, int]:
+        """(best, its agreement, continuation, its agreement); -1 where there is none."""
+        cfg = self.config
+        src = self._source
+        best, best_score, follow, follow_score = -1, 0, -1, 0
         checked = 0
-        for p in reversed(found):
+        # positions before `last` (the tail itself is indexed too), latest first
+        for p in reversed(self._bigrams.get((tokens[-2], tokens[-1]), ())):
             if p >= last:
                 continue
             score = _agreement(tokens, p, last)
             if score > best_score:
                 best, best_score = p, score
-                if score >= _MAX_SCORE:
-                    break
+            if src is not None and src < p <= src + cfg.window:
+                follow, follow_score = p, score  # latest first: ends at the nearest after src
             checked += 1
-            if checked >= self.config.max_candidates:
+            if checked >= cfg.max_candidates or (best_score >= _MAX_SCORE and src is None):
                 break
-        if best_score < self.config.min_match:
-            return []
-        return tokens[best + 1:best + 1 + n]
+        if follow < 0 and src is not None:
+            found = self._tokens.get(tokens[-1], [])
+            i = bisect.bisect_right(found, src)
+            if i < len(found) and found[i] <= src + cfg.window and found[i] < last:
+                follow, follow_score = found[i], 1
+        return best, best_score, follow, follow_score
 
     def observe(self, proposed: int, accepted: int, num_tokens: int) -> None:
-        """Records one verification; pauses drafting when the average falls too low.
-        num_tokens: the sequence's length after the step."""
+        """Records one verification of the last proposal; pauses drafting when the estimate
+        falls too low. num_tokens: the sequence's length after the step."""
         if proposed <= 0:
             return
         self.proposed += proposed
         self.accepted += accepted
-        self.acceptance += _EMA_WEIGHT * (accepted / proposed - self.acceptance)
-        if self.acceptance < self.config.min_acceptance:
+        if accepted and self._proposed_from is not None:
+            self._source = self._proposed_from + accepted
+        self._kept += _EMA_WEIGHT * (accepted - self._kept)
+        self._missed += _EMA_WEIGHT * ((accepted < proposed) - self._missed)
+        floor = self.config.min_acceptance
+        if self.rate < floor:
             self._paused_until = num_tokens + self.config.retry_after
-            # the probe after the pause starts from the threshold, so one miss pauses again
-            self.acceptance = self.config.min_acceptance
+            # the probe after the pause starts at the threshold, so one miss pauses again
+            self._kept, self._missed = floor, 1.0 - floor
 
     def _extend(self, tokens: list[int]) -> None:
-        index = self._index
-        for i in range(max(1, self._indexed), len(tokens)):
-            index.setdefault((tokens[i - 1], tokens[i]), []).append(i)
+        bigrams, singles = self._bigrams, self._tokens
+        start = self._indexed
+        if start == 0 and tokens:
+            singles.setdefault(tokens[0], []).append(0)
+            start = 1
+        for i in range(start, len(tokens)):
+            bigrams.setdefault((tokens[i - 1], tokens[i]), []).append(i)
+            singles.setdefault(tokens[i], []).append(i)
         self._indexed = len(tokens)
 
 

@@ -74,6 +74,12 @@ class _Generation(_SamplingBody):
     stream_options: StreamOptions | None = None
     user: str | None = Field(
         None, description="end-user label, recorded as the usage record's app (<= 64 chars)")
+    # tokenserve extension, as the gRPC API's `speculation` field
+    speculation: bool | None = Field(
+        None, description="tokenserve extension: false turns speculative decoding (prompt-lookup"
+                          " drafts) off for this request; unset: the engine's setting. The output"
+                          " is the same either way (greedy: token for token), only its speed"
+                          " differs")
 
 
 class ChatCompletionRequest(_Generation):
@@ -132,7 +138,7 @@ def chat_request(body: ChatCompletionRequest, *, default_max_tokens: int,
         model=body.model, max_tokens=default_max_tokens if max_tokens is None else max_tokens,
         messages=messages, sampling=_sampling(body), stop=_stop(body.stop),
         request_id=request_id, app=body.user or "", logprobs=bool(body.logprobs),
-        top_logprobs=top)
+        top_logprobs=top, speculation=body.speculation)
 
 
 def completion_request(body: CompletionRequest, *, default_max_tokens: int,
@@ -151,7 +157,7 @@ def completion_request(body: CompletionRequest, *, default_max_tokens: int,
         max_tokens=default_max_tokens if body.max_tokens is None else body.max_tokens,
         prompt=prompt, sampling=_sampling(body), stop=_stop(body.stop), request_id=request_id,
         app=body.user or "", logprobs=body.logprobs is not None,
-        top_logprobs=body.logprobs or 0)
+        top_logprobs=body.logprobs or 0, speculation=body.speculation)
 
 
 # -- the OpenAPI document ----------------------------------------------------------------

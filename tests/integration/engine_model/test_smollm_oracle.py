@@ -157,7 +157,7 @@ def test_speculative_greedy_output_equals_plain_greedy(runner, cases, tok):
     from services.engine.sequence import Sequence, StopCriteria
     from services.engine.speculation import SpeculationConfig
 
-    prompts = {**{k: cases[k] for k in ("chat", "code", "list")}, **code_edit_prompts(tok)}
+    prompts = {**cases, **code_edit_prompts(tok)}  # all six oracle prompts, long_1000 included
 
     def run(spec: bool, first_id: int):
         sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_model_len=runner.max_context,

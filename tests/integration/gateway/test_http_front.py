@@ -62,6 +62,24 @@ def test_streamed_chat_and_completion_end_with_a_usage_chunk(client):
     assert all(p.usage is None for p in parts)  # no include_usage: no usage chunk
 
 
+@pytest.mark.parametrize("value", [False, True])
+def test_the_speculation_extension_reaches_the_engine(client, engine, value):
+    rid = f"http-spec-{value}"
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                   max_tokens=2, extra_body={"speculation": value},
+                                   extra_headers={"x-request-id": rid})
+    client.completions.create(model=MODEL, prompt="a b", max_tokens=2,
+                              extra_body={"speculation": value},
+                              extra_headers={"x-request-id": rid + "-c"})
+    sent = {r.request_id: r for r in engine.servicer.requests}
+    for r in (sent[rid], sent[rid + "-c"]):
+        assert r.HasField("speculation") and r.speculation is value
+    client.completions.create(model=MODEL, prompt="a b", max_tokens=2,
+                              extra_headers={"x-request-id": rid + "-unset"})
+    assert not {r.request_id: r for r in engine.servicer.requests}[rid + "-unset"].HasField(
+        "speculation")
+
+
 def test_completion_and_models(client):
     resp = client.completions.create(model=MODEL, prompt="a b c", max_tokens=2, stop=["zz"])
     assert resp.object == "text_completion" and resp.choices[0].text == "w0 w1 "

@@ -36,6 +36,17 @@ def test_options_go_to_the_top_level_or_the_sampling_message():
     assert list(req.stop) == ["END"] and req.app == "a" and req.request_id == "r1"
 
 
+@pytest.mark.parametrize("build", [
+    lambda opts: sdk._generate_request("hi", "", 4, opts),
+    lambda opts: sdk._chat_request([("user", "hi")], "", 4, opts)])
+def test_speculation_false_turns_drafting_off_for_the_request(build):
+    off = build({"speculation": False})
+    assert off.HasField("speculation") and off.speculation is False  # sent, not the default
+    assert build({"speculation": True}).speculation is True
+    assert not build({}).HasField("speculation")  # unset: the engine's setting
+    assert not build({"speculation": None}).HasField("speculation")
+
+
 def test_unknown_options_are_a_type_error_listing_the_allowed_ones():
     with pytest.raises(TypeError, match="temprature.*allowed: temperature"):
         sdk._generate_request("hi", "", 1, {"temprature": 1.0})

@@ -1,0 +1,134 @@
+"""Which drafts are worth verifying: the continuation of the last copy (a JSON template filled
+value by value), draft lengths that follow the match, the learned cost of a draft token, and
+the per-step gate that keeps verification from making a compute-bound batch slower."""
+from __future__ import annotations
+
+import pytest
+
+from services.engine.step_costs import StepCosts
+from services.engine.speculation import NgramDrafter, SpeculationConfig, draft_tokens_worth
+from tests.unit.engine_core.fakes import copying_token, make_seq, reference_output
+from tests.unit.engine_core.test_engine_core import drain
+from tests.unit.engine_core.test_speculation import code_prompt, make
+
+# a "template" of keys K1..K4, each followed by an empty value E and a separator S
+K1, K2, K3, K4, E, S, Q = 101, 102, 103, 104, 90, 91, 92
+
+
+def test_after_a_value_it_copies_the_next_key_of_the_template():
+    template = [7, 8, 9, Q, K1, E, S, Q, K2, E, S, Q, K3, E, S, Q, K4, E, 9]
+    d = NgramDrafter(SpeculationConfig(num_draft_tokens=8))
+    assert d.propose(template + [Q], 8) == [K1, E]
+    d.observe(2, 1, len(template) + 3)  # K1 kept, E not: the answer writes its own value
+    toks = template + [Q, K1, 55, E, S]
+    # "E S" follows every key: the copy goes on after K1, where the last one came from
+    assert d.propose(toks, 8) == [Q, K2, E, S]
+    # with no copy to go on from, the latest occurrence is copied
+    assert NgramDrafter(SpeculationConfig(num_draft_tokens=8)).propose(toks, 8) == [Q, K4]
+
+
+def test_the_continuation_needs_only_the_last_token():
+    template = [7, 8, 9, Q, K1, E, S, Q, K2, E, S, Q, K3, E, 9]
+    d = NgramDrafter(SpeculationConfig(num_draft_tokens=8))
+    assert d.propose(template + [Q], 8) == [K1, E]
+    d.observe(2, 1, len(template) + 3)
+    # a value, then a separator no bigram of the template has
+    assert d.propose(template + [Q, K1, 55, 56, S], 8) == [Q, K2, E]
+
+
+def test_a_long_match_wins_over_the_continuation():
+    base = [1, 2, 3, 4, 50, 60, 2, 3]
+    toks = base + [4, 50, 70] + [81, 82, 60, 2, 99] + [81, 82, 60, 2]
+    for strong, expected in [(6, [3, 4, 50, 70]), (3, [99, 81, 82, 60])]:
+        d = NgramDrafter(SpeculationConfig(num_draft_tokens=4, strong_match=strong))
+        assert d.propose(base, 4) == [4, 50]
+        d.observe(2, 2, len(base) + 3)  # the copy's source is base's 50
+        # "60 2" follows the source (agreeing on 2 tokens) and recurs later (agreeing on 4)
+        assert d.propose(toks, 4) == expected
+
+
+def test_draft_length_follows_the_evidence():
+    weak = NgramDrafter(SpeculationConfig(num_draft_tokens=8))
+    assert weak.propose([1, 2, 3, 4, 5, 6, 7, 9, 2, 3], 8) == [4, 5]  # a 2-token match risks 2
+    long = NgramDrafter(SpeculationConfig(num_draft_tokens=8))
+    assert long.propose(list(range(20)) + list(range(12)), 8) == list(range(12, 20))
+
+
+def test_draft_tokens_worth_their_cost():
+    assert draft_tokens_worth(0.9, 0.0, 8) == 8  # cost unknown (or free): everything
+    assert draft_tokens_worth(0.9, 0.1, 50) == 21  # 0.9**21 >= 0.1 > 0.9**22
+    assert draft_tokens_worth(0.5, 0.1, 8) == 3
+    assert draft_tokens_worth(0.5, 0.6, 8) == 0  # not even the first pays
+    assert draft_tokens_worth(1.0, 1.0, 5) == 5
+
+
+def test_step_costs_learn_what_a_draft_token_adds():
+    c = StepCosts()
+    assert c.draft_min_yield(1) == 0.0  # unknown: draft freely
+    for drafts in [0, 8, 2, 5, 0, 8, 3, 1] * 4:
+        c.observe(decode_rows=4, prompt_tokens=0, seconds=0.020 + 0.002 * drafts,
+                  draft_tokens=drafts)
+    assert c.per_draft_token == pytest.approx(0.002, rel=1e-6)
+    assert c.decode_step == pytest.approx(0.020, rel=1e-6)
+    # a draft token must be expected to yield 0.002 s / (0.020 s / 4 tokens) = 0.4 tokens
+    assert c.draft_min_yield(4) == pytest.approx(0.4)
+    # a mixed step: the prompt's share is what is left after the decodes and their drafts
+    c.observe(decode_rows=4, prompt_tokens=100, seconds=0.020 + 0.002 * 5 + 0.1, draft_tokens=5)
+    assert c.per_prompt_token == pytest.approx(0.001)
+
+
+def test_step_costs_tell_rows_from_drafts_while_the_batch_changes():
+    """Requests finish as drafting goes on: fewer rows and fewer drafts together must not be
+    read as expensive drafts."""
+    c = StepCosts()
+    for rows in (16, 12, 8, 4, 2, 1):
+        for drafts in (0, rows * 2, rows, rows * 3):
+            c.observe(rows, 0, 0.010 + 0.003 * rows + 0.001 * drafts, drafts)
+    assert c.per_draft_token == pytest.approx(0.001, rel=1e-6)
+    assert c.plain_decode(16) == pytest.approx(0.058, rel=1e-6)
+    assert c.draft_min_yield(1) == pytest.approx(0.001 / 0.013)  # one stream: most drafts pay
+    assert c.draft_min_yield(16) == pytest.approx(0.016 / 0.058)
+
+
+def _drafted(runner):
+    return sum(c.num_draft_tokens for b in runner.batches for c in b.chunks)
+
+
+def test_a_compute_bound_batch_verifies_only_drafts_that_pay():
+    """Each draft token costs as much as a decode row: only near-certain drafts pay, and the
+    fast and the plain runs give the same tokens."""
+    prompts = [code_prompt(30 + i) for i in range(4)]
+
+    def run(cost_per_draft):
+        core, runner = make(max_num_seqs=4)
+        # decode rows and prompt tokens (drafts count with the latter) -> seconds
+        runner.cost = lambda rows, other: 0.004 * rows + cost_per_draft * other + 0.001
+        seqs = [make_seq(i, prompt=p, max_tokens=60, ignore_eos=True) for i, p in enumerate(prompts)]
+        for s in seqs:
+            core.add(s)
+        drain(core)
+        for s in seqs:
+            assert s.output_token_ids == reference_output(s.prompt_token_ids, 60, copying_token)
+        return _drafted(runner), sum(s.drafter.accepted for s in seqs)
+
+    cheap_drafted, cheap_accepted = run(0.0002)
+    dear_drafted, dear_accepted = run(0.004)
+    assert dear_drafted < cheap_drafted / 2
+    # what is still drafted is the likeliest part
+    assert dear_accepted / dear_drafted > cheap_accepted / cheap_drafted
+
+
+def test_drafts_never_take_a_waiting_prompts_budget():
+    core, runner = make(max_num_batched_tokens=40, max_num_seqs=4)
+    a = make_seq(1, prompt=code_prompt(5, 60), max_tokens=200, ignore_eos=True)
+    core.add(a)
+    for _ in range(25):
+        core.step()
+    assert _drafted(runner)  # a is decoding with drafts
+    b = make_seq(2, prompt=code_prompt(6, 300), max_tokens=5, ignore_eos=True)
+    core.add(b)
+    core.step()
+    batch = runner.batches[-1]
+    prompt = next(c for c in batch.chunks if c.seq_id == 2)
+    assert len(prompt.token_ids) == 40 - 1  # every token the decode leaves, none to drafts
+    assert all(c.num_draft_tokens == 0 for c in batch.chunks)
