@@ -29,7 +29,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from controlplane.etcd_client import EtcdOptions
 from controlplane.store import ConfigStore
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
+from tokenserve.runtime.channels import aio_channel
 from tokenserve.runtime.errors import InvalidArgument
+from tokenserve.runtime.tls import PLAINTEXT, TlsConfig
 
 # (metric name, label items) -> value
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -226,9 +228,9 @@ async def registrations(options: EtcdOptions) -> dict:
     return {"error": None, "engines": engines, "gateways": gateways}
 
 
-async def engine_info(endpoint: str) -> dict | None:
+async def engine_info(endpoint: str, tls: TlsConfig = PLAINTEXT) -> dict | None:
     try:
-        async with grpc.aio.insecure_channel(endpoint) as ch:
+        async with aio_channel(endpoint, tls=tls) as ch:
             r = await engine_pb2_grpc.EngineServiceStub(ch).GetInfo(engine_pb2.GetInfoRequest(), timeout=2)
     except grpc.RpcError:
         return None
@@ -238,7 +240,7 @@ async def engine_info(endpoint: str) -> dict | None:
 
 
 async def sample(options: EtcdOptions, paired: dict[str, str | None], before: dict[str, Samples],
-                 seconds: float) -> tuple[dict, dict[str, Samples]]:
+                 seconds: float, tls: TlsConfig = PLAINTEXT) -> tuple[dict, dict[str, Samples]]:
     """One view: rows from the scrapes now compared with `before` (taken `seconds` ago)."""
     addresses = list(paired)
     after = {a: s for a in addresses if (s := await asyncio.to_thread(scrape, a)) is not None}
@@ -252,7 +254,7 @@ async def sample(options: EtcdOptions, paired: dict[str, str | None], before: di
             gateways.append(gateway_row(address, before.get(address, now), now, seconds))
     # registered engines: live load from GetInfo, on the row scraped from the same engine
     for r in reg["engines"]:
-        info = await engine_info(r.endpoint)
+        info = await engine_info(r.endpoint, tls)
         row = match(engines, r.endpoint, paired)
         if row is None:
             row = EngineRow(metrics="")
@@ -311,7 +313,8 @@ async def cmd_top(options: EtcdOptions, a: argparse.Namespace) -> int:
     while True:
         await asyncio.sleep(a.interval)
         now = time.monotonic()
-        view, before = await sample(options, paired, before, now - taken)
+        view, before = await sample(options, paired, before, now - taken,
+                                    getattr(a, "tls", PLAINTEXT))
         taken = now
         if a.once:
             print(json.dumps(view, indent=2, sort_keys=True) if a.json else render(view))
