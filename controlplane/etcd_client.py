@@ -223,7 +223,9 @@ class EtcdClient:
         where = ", ".join(self.options.endpoints)
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return Unavailable(f"etcd at {where} is unreachable ({code.name.lower()}: {details}); "
-                               f"check that etcd runs and --endpoints is right")
+                               f"check that etcd runs, the endpoints are right and, for an etcd"
+                               f" that speaks TLS, that --etcd-ca (and --etcd-cert/--etcd-key"
+                               f" where it demands client certificates) are given")
         if "user name is empty" in details:  # auth is on and we sent no token
             return Unauthenticated(f"etcd at {where} requires a user and password (tsctl: --user and"
                                    f" ${ETCD_PASSWORD_ENV}; a service: --etcd-user and"

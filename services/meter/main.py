@@ -22,7 +22,7 @@ from controlplane.etcd_client import (ETCD_PASSWORD_ENV, add_etcd_auth_args,
                                       etcd_credentials_from_args)
 from tokenserve.runtime.errors import ServiceError
 from tokenserve.runtime.tls import tls_from_args
-from tokenserve.runtime.logging import configure_logging
+from tokenserve.runtime.logging import configure_logging, get_logger
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
 from tokenserve.runtime.service_token import METER_TOKEN_ENV, RequireToken
 
@@ -112,4 +112,9 @@ async def serve(config: MeterConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(serve(parse_args(argv)))
+    config = parse_args(argv)
+    try:
+        return asyncio.run(serve(config))
+    except ServiceError as e:  # e.g. etcd refused us and no last-known-good snapshot
+        get_logger(component="meter").error("meter_start_failed", error=e.message)
+        return 1

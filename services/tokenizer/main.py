@@ -12,7 +12,7 @@ from services.tokenizer.registry import TokenizerRegistry
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer, add_to_server
 from services.tokenizer.tokenizing import Tokenization
 from tokenserve.models import DEFAULT_MODEL_NAME, default_model_path
-from tokenserve.runtime.logging import configure_logging
+from tokenserve.runtime.logging import configure_logging, get_logger
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
 from tokenserve.runtime.config import add_server_args
 from controlplane.etcd_client import (ETCD_PASSWORD_ENV, add_etcd_auth_args,
@@ -110,5 +110,10 @@ async def serve(config: TokenizerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    asyncio.run(serve(parse_args(argv)))
+    config = parse_args(argv)
+    try:
+        asyncio.run(serve(config))
+    except ServiceError as e:  # e.g. etcd refused us and no last-known-good snapshot
+        get_logger(component="tokenizer").error("tokenizer_start_failed", error=e.message)
+        return 1
     return 0
