@@ -3,7 +3,7 @@ that it signs, made with the `openssl` command (for `tokenserve up --tls` and th
 
     ca = make_ca(directory)                      # ca.pem, ca.key
     cert = issue(ca, directory, "suite")         # suite.pem, suite.key: server + client use
-    cert = local_suite_certs(directory)          # both at once (what `tokenserve up --tls` does)
+    cert = local_suite_certs(directory)          # both, CA key deleted (`tokenserve up --tls`)
 
 Keys are ECDSA P-256 (fast to make) and written owner-only; certificates last `days`.
 """
@@ -75,5 +75,9 @@ def issue(ca: CertFiles, directory: Path, name: str, *, hosts: tuple[str, ...] =
 
 def local_suite_certs(directory: Path) -> CertFiles:
     """A fresh CA and one certificate for 127.0.0.1/localhost that every process of a local
-    suite serves with and presents as its client certificate."""
-    return issue(make_ca(directory), directory, "suite")
+    suite serves with and presents as its client certificate. The CA's key is deleted once the
+    certificate is signed: nobody can issue another one that the suite would trust."""
+    ca = make_ca(directory)
+    cert = issue(ca, directory, "suite")
+    ca.key.unlink()
+    return cert

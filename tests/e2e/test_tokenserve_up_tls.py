@@ -3,6 +3,8 @@ client certificates), driven with the commands it prints (grpcurl with -cacert, 
 --cacert over HTTPS), the SDK with tls_ca, and plaintext callers refused."""
 from __future__ import annotations
 
+import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -13,7 +15,7 @@ import pytest
 from aetcd import rpc
 
 from controlplane.service_process import ROOT
-from tests.e2e.up_process import Up
+from tests.e2e.up_process import Up, wait_for
 from tokenserve.client import Client
 from tokenserve.runtime import health_probe
 from tokenserve.runtime.tls import TlsConfig
@@ -96,3 +98,21 @@ def test_the_printed_tsctl_status_line_works_with_the_etcd_certificate(up):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "127.0.0.1" in r.stdout
+
+
+def test_usage_reaches_the_meter_over_mutual_tls_and_the_printed_tsctl_usage_line_reads_it(up):
+    # the requests of the tests above were billed: the gateway's and the engine's spools
+    # send to the meter with the suite's certificate
+    line = printed(up, "Usage:")
+    assert line[0].startswith("TOKENSERVE_METER_TOKEN=") and "--tls-ca" in line
+    start, end = line.index("tsctl") + 1, line.index("(the")  # then the explanation
+    argv = [sys.executable, "-m", "controlplane.tsctl", *line[start:end], "--json", "--since",
+            "1h", "--group-by", "tenant"]
+    env = dict(os.environ, TOKENSERVE_METER_TOKEN=up.meter_token)
+
+    def tokens() -> int:
+        r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode == 0, r.stderr
+        return sum(row["total_tokens"] for row in json.loads(r.stdout))
+
+    assert wait_for(lambda: tokens() > 0, timeout=60)
