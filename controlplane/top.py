@@ -9,7 +9,8 @@ registered engine's GetInfo (running, waiting, KV blocks free), and each service
 /metrics endpoint (`--metrics HOST:PORT`, repeatable, or every port `tokenserve up` wrote to
 <suite-dir>/up.json). Rates and latency percentiles are taken over the interval between two
 scrapes; a percentile with no observation in the interval is taken since the process started
-(`ttft_window` / `itl_window`: "start").
+(`ttft_window` / `itl_window`: "start"). With `--suite-dir` of `tokenserve up --tls`, the
+suite's certificate (up.json names it) reaches etcd and the engines unless flags say otherwise.
 """
 from __future__ import annotations
 
@@ -193,6 +194,22 @@ def suite_metrics(suite_dir: str) -> list[str]:
                               f"is `tokenserve up --data-dir {suite_dir}` running?") from None
     return [(f"127.0.0.1:{ports[name.removesuffix('_metrics')]}=" if name == "engine_metrics" else "")
             + f"127.0.0.1:{port}" for name, port in sorted(ports.items()) if name.endswith("_metrics")]
+
+
+def use_suite_certificates(a: argparse.Namespace) -> None:
+    """Fills the etcd and service TLS flags left unset from <suite-dir>/up.json, where the
+    suite runs with `--tls` (its certificate is the one every process presents)."""
+    try:
+        tls = json.loads((Path(a.suite_dir) / "up.json").read_text()).get("tls")
+    except (OSError, ValueError):
+        return  # suite_metrics says what is wrong with the folder
+    if not tls:
+        return
+    for prefix in ("etcd", "tls"):
+        if getattr(a, f"{prefix}_ca", None) is None and getattr(a, f"{prefix}_cert", None) is None:
+            setattr(a, f"{prefix}_ca", tls["ca"])
+            setattr(a, f"{prefix}_cert", tls["cert"])
+            setattr(a, f"{prefix}_key", tls["key"])
 
 
 def pair(metrics: list[str]) -> dict[str, str | None]:

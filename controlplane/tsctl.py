@@ -368,6 +368,8 @@ COMMANDS = {"tenant": cmd_tenant, "key": cmd_key, "tier": cmd_tier, "degrade": c
 
 
 async def run(a: argparse.Namespace) -> int:
+    if a.command == "top" and a.suite_dir:
+        top_view.use_suite_certificates(a)
     options = EtcdOptions(endpoints=a.endpoints, user=a.user, password=a.password, ca_file=a.etcd_ca,
                           cert_file=a.etcd_cert, key_file=a.etcd_key, timeout=a.timeout)
     out = Output(a.json)

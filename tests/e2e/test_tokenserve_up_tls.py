@@ -3,6 +3,7 @@ client certificates), driven with the commands it prints (grpcurl with -cacert, 
 --cacert over HTTPS), the SDK with tls_ca, and plaintext callers refused."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
@@ -14,6 +15,7 @@ import grpc
 import pytest
 from aetcd import rpc
 
+from controlplane import top
 from controlplane.service_process import ROOT
 from tests.e2e.up_process import Up, wait_for
 from tokenserve.client import Client
@@ -116,3 +118,18 @@ def test_usage_reaches_the_meter_over_mutual_tls_and_the_printed_tsctl_usage_lin
         return sum(row["total_tokens"] for row in json.loads(r.stdout))
 
     assert wait_for(lambda: tokens() > 0, timeout=60)
+
+
+def test_tsctl_top_on_the_suite_dir_uses_the_suites_certificate(up):
+    r = subprocess.run([sys.executable, "-m", "controlplane.tsctl", "--endpoints",
+                        up.address("etcd"), "top", "--suite-dir", str(up.data_dir / "var"),
+                        "--once", "--json", "--interval", "0.2"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    view = json.loads(r.stdout)
+    assert view["etcd_error"] is None and view["registered"]["engines"] == [up.address("engine")]
+    # the engines' GetInfo (running, waiting, KV) answers top only with the certificate
+    tls = up.state["tls"]
+    suite_tls = TlsConfig(tls["cert"], tls["key"], tls["ca"])
+    assert asyncio.run(top.engine_info(up.address("engine"), suite_tls)) is not None
+    assert asyncio.run(top.engine_info(up.address("engine"))) is None
