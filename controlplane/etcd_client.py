@@ -7,7 +7,7 @@ the watcher need. Every failure to reach etcd becomes `Unavailable` with the end
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
@@ -30,13 +30,66 @@ _CHANNEL_OPTIONS = (
 )
 
 
+# The variable a service (and tsctl) reads the etcd password from: never a flag, which any
+# process listing would show.
+ETCD_PASSWORD_ENV = "TOKENSERVE_ETCD_PASSWORD"
+
+
+def _check_credentials(o: "EtcdOptions | EtcdCredentials") -> None:
+    if (o.user is None) != (o.password is None):
+        raise InvalidArgument("etcd user and password must be given together"
+                              f" (the password in ${ETCD_PASSWORD_ENV})")
+    if (o.cert_file is None) != (o.key_file is None):
+        raise InvalidArgument("etcd TLS client cert and key must be given together")
+    if o.cert_file and not o.ca_file:
+        raise InvalidArgument("etcd TLS client cert needs a CA file (--etcd-ca)")
+
+
+@dataclass(frozen=True)
+class EtcdCredentials:
+    """How a service proves itself to etcd and verifies it: user/password, TLS with a CA,
+    a client certificate. The flags of add_etcd_auth_args; all None: plaintext, no auth."""
+
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def __post_init__(self):
+        _check_credentials(self)
+
+    def options(self, endpoints: Sequence[str] | str) -> "EtcdOptions":
+        return EtcdOptions.of(endpoints, user=self.user, password=self.password,
+                              ca_file=self.ca_file, cert_file=self.cert_file,
+                              key_file=self.key_file)
+
+
+def add_etcd_auth_args(parser) -> None:
+    """--etcd-ca/--etcd-cert/--etcd-key/--etcd-user of every service; read with
+    etcd_credentials_from_args (the password comes from $TOKENSERVE_ETCD_PASSWORD)."""
+    g = parser.add_argument_group("etcd authentication (default: plaintext, none)")
+    g.add_argument("--etcd-ca", default=None, help="CA certificate of etcd (PEM); enables TLS")
+    g.add_argument("--etcd-cert", default=None, help="client certificate for etcd (mutual TLS)")
+    g.add_argument("--etcd-key", default=None, help="the private key of --etcd-cert")
+    g.add_argument("--etcd-user", default=None,
+                   help=f"etcd user; the password is read from ${ETCD_PASSWORD_ENV}")
+
+
+def etcd_credentials_from_args(a, password: str | None) -> EtcdCredentials:
+    """The credentials of parsed add_etcd_auth_args flags; `password` from the environment
+    (main.py reads it), used only with --etcd-user."""
+    return EtcdCredentials(user=a.etcd_user, password=(password or None) if a.etcd_user else None,
+                           ca_file=a.etcd_ca, cert_file=a.etcd_cert, key_file=a.etcd_key)
+
+
 @dataclass(frozen=True)
 class EtcdOptions:
     """How to reach etcd. `endpoints` are host:port; tried in order, rotated on failure."""
 
     endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
     user: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     ca_file: str | None = None  # enables TLS
     cert_file: str | None = None  # client certificate (mutual TLS)
     key_file: str | None = None
@@ -54,12 +107,7 @@ class EtcdOptions:
             if not sep or not host or not port.isdigit():
                 raise InvalidArgument(f"etcd endpoint {e!r} must be host:port")
         object.__setattr__(self, "endpoints", eps)
-        if (self.user is None) != (self.password is None):
-            raise InvalidArgument("etcd user and password must be given together")
-        if (self.cert_file is None) != (self.key_file is None):
-            raise InvalidArgument("etcd TLS client cert and key must be given together")
-        if self.cert_file and not self.ca_file:
-            raise InvalidArgument("etcd TLS client cert needs a CA file (--etcd-ca)")
+        _check_credentials(self)
         if self.timeout <= 0:
             raise InvalidArgument(f"etcd timeout must be > 0, got {self.timeout}")
 
@@ -175,9 +223,13 @@ class EtcdClient:
         where = ", ".join(self.options.endpoints)
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return Unavailable(f"etcd at {where} is unreachable ({code.name.lower()}: {details}); "
-                               f"check that etcd runs and --endpoints is right")
+                               f"check that etcd runs, the endpoints are right and, for an etcd"
+                               f" that speaks TLS, that --etcd-ca (and --etcd-cert/--etcd-key"
+                               f" where it demands client certificates) are given")
         if "user name is empty" in details:  # auth is on and we sent no token
-            return Unauthenticated(f"etcd at {where} requires a user and password (--user/--password)")
+            return Unauthenticated(f"etcd at {where} requires a user and password (tsctl: --user and"
+                                   f" ${ETCD_PASSWORD_ENV}; a service: --etcd-user and"
+                                   f" ${ETCD_PASSWORD_ENV})")
         if code == grpc.StatusCode.UNAUTHENTICATED or "authentication failed" in details:
             return Unauthenticated(f"etcd at {where} refused the credentials: {details}")
         if code == grpc.StatusCode.PERMISSION_DENIED:

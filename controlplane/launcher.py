@@ -8,6 +8,12 @@ restart printed and counted in `<data-dir>/up.json`; repeated crashes of one pro
 short window (controlplane.supervision) make it give up and stop everything. Ctrl-C (or
 SIGTERM) stops the services in reverse order, gracefully, then etcd.
 
+`--tls` makes a throw-away CA and one certificate for 127.0.0.1/localhost under
+`<data-dir>/tls/` (controlplane.certs): etcd then demands client certificates, the meter,
+tokenizer and engine demand them of their callers (mutual TLS), the gateway serves TLS on
+gRPC and HTTPS (tenants authenticate with API keys, not certificates), and every process
+dials the others with the CA and presents the certificate.
+
 `Suite` is the same thing as a library, used by the end-to-end tests with ephemeral ports.
 """
 from __future__ import annotations
@@ -27,13 +33,16 @@ from typing import Callable
 
 from controlplane import admin
 from controlplane import seed as seeding
-from controlplane.etcd_local import EtcdProcess
+from controlplane.certs import CertFiles, local_suite_certs
+from controlplane.etcd_client import EtcdOptions
+from controlplane.etcd_local import EtcdProcess, ServerTls
 from controlplane.service_process import SERVING, ServiceProcess
 from controlplane.store import ConfigStore
 from controlplane.supervision import CrashHistory, GiveUp, RestartPolicy
 from tokenserve.runtime.errors import ServiceError
 from tokenserve.runtime.ports import free_port
 from tokenserve.runtime.service_token import METER_TOKEN_ENV
+from tokenserve.runtime.tls import PLAINTEXT, TlsConfig
 from tokenserve.models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, default_model_path
 
 DEMO_TENANT = "demo"
@@ -74,10 +83,26 @@ class Suite:
     restarts: dict[str, int] = field(default_factory=dict)
     # Set: the meter demands it of every caller; the gateway and the engine send it.
     meter_token: str | None = field(default=None, repr=False)
+    # Set: TLS everywhere with these files (see the module docstring); None: plaintext.
+    tls: CertFiles | None = None
 
     @property
     def etcd_endpoint(self) -> str:
         return f"127.0.0.1:{self.ports.etcd}"
+
+    @property
+    def etcd_options(self) -> EtcdOptions:
+        if self.tls is None:
+            return EtcdOptions([self.etcd_endpoint])
+        return EtcdOptions([self.etcd_endpoint], ca_file=str(self.tls.ca),
+                           cert_file=str(self.tls.cert), key_file=str(self.tls.key))
+
+    @property
+    def client_tls(self) -> TlsConfig:
+        """How this launcher (and a test) reaches the services: the CA and the certificate."""
+        if self.tls is None:
+            return PLAINTEXT
+        return TlsConfig(str(self.tls.cert), str(self.tls.key), str(self.tls.ca))
 
     def address(self, service: str) -> str:
         return f"127.0.0.1:{getattr(self.ports, service)}"
@@ -85,7 +110,8 @@ class Suite:
     @property
     def http_url(self) -> str:
         """Base URL of the gateway's OpenAI-compatible API (ends in /v1)."""
-        return f"http://127.0.0.1:{self.ports.gateway_http}/v1"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://127.0.0.1:{self.ports.gateway_http}/v1"
 
     # -- start ---------------------------------------------------------------------------
     def start(self, timeout: float = 300.0) -> None:
@@ -105,13 +131,15 @@ class Suite:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(exist_ok=True)
         self.say(f"starting etcd on {self.etcd_endpoint}")
+        tls = None if self.tls is None else ServerTls(
+            str(self.tls.cert), str(self.tls.key), str(self.tls.ca), client_cert_auth=True)
         self.etcd = EtcdProcess(self.data_dir / "etcd", client_port=self.ports.etcd,
                                 peer_port=self.ports.etcd_peer,
-                                log_path=self.data_dir / "logs" / "etcd.log")
+                                log_path=self.data_dir / "logs" / "etcd.log", tls=tls)
         self.etcd.start()
 
     async def _seed(self):
-        store = ConfigStore([self.etcd_endpoint])
+        store = ConfigStore(self.etcd_options)
         try:
             await seeding.seed(store, actor="tokenserve-up")
             if await store.get(f"tenants/{DEMO_TENANT}") is None:
@@ -124,7 +152,7 @@ class Suite:
         """Issues an API key for tenant; the key is returned once, etcd keeps its hash."""
 
         async def issue():
-            store = ConfigStore([self.etcd_endpoint])
+            store = ConfigStore(self.etcd_options)
             try:
                 key, _record, _revision = await admin.issue_key(store, tenant, actor="tokenserve-up")
                 return key
@@ -136,8 +164,19 @@ class Suite:
     def _process(self, name: str) -> ServiceProcess:
         env = ({METER_TOKEN_ENV: self.meter_token}
                if self.meter_token and name in ("meter", "gateway", "engine") else {})
-        return ServiceProcess(f"services.{name}", self._args(name), getattr(self.ports, name),
-                              log_path=self.data_dir / "logs" / f"{name}.log", env=env)
+        return ServiceProcess(f"services.{name}", self._args(name) + self._tls_args(name),
+                              getattr(self.ports, name),
+                              log_path=self.data_dir / "logs" / f"{name}.log", env=env,
+                              tls=self.client_tls)
+
+    def _tls_args(self, name: str) -> list[str]:
+        if self.tls is None:
+            return []
+        t = self.tls
+        args = ["--tls-cert", str(t.cert), "--tls-key", str(t.key), "--tls-ca", str(t.ca),
+                "--etcd-ca", str(t.ca), "--etcd-cert", str(t.cert), "--etcd-key", str(t.key)]
+        # internal services take only callers with a certificate; the gateway is public
+        return args + ([] if name == "gateway" else ["--tls-client-auth", "require"])
 
     def _args(self, name: str) -> list[str]:
         p = self.ports
@@ -169,7 +208,8 @@ class Suite:
         state = {"ports": asdict(self.ports),
                  "pids": {n: p.proc.pid for n, p in self.procs.items()},
                  "etcd_pid": self.etcd.process.pid if self.etcd and self.etcd.process else None,
-                 "restarts": dict(self.restarts)}
+                 "restarts": dict(self.restarts),
+                 "tls": None if self.tls is None else {k: str(v) for k, v in asdict(self.tls).items()}}
         tmp = self.data_dir / "up.json.tmp"
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(self.data_dir / "up.json")  # readers never see half a file
@@ -280,19 +320,21 @@ class _ProgressTail:
                 self.say(f"  model loaded in {rec.get('seconds', '?')} s")
 
 
-def grpcurl_command(key: str, gateway: str) -> str:
+def grpcurl_command(key: str, gateway: str, cacert: Path | None = None) -> str:
     body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32})
     local = Path(sys.executable).parent / "grpcurl"
     grpcurl = os.path.relpath(local) if local.exists() and not shutil.which("grpcurl") else "grpcurl"
-    return (f"{grpcurl} -plaintext -H 'authorization: Bearer {key}' -d '{body}' "
+    transport = "-plaintext" if cacert is None else f"-cacert {cacert}"
+    return (f"{grpcurl} {transport} -H 'authorization: Bearer {key}' -d '{body}' "
             f"{gateway} tokenserve.gateway.v1.InferenceService/Chat")
 
 
-def curl_command(key: str, base_url: str) -> str:
+def curl_command(key: str, base_url: str, cacert: Path | None = None) -> str:
     body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32})
-    return (f"curl {base_url}/chat/completions -H 'authorization: Bearer {key}'"
+    tls = "" if cacert is None else f" --cacert {cacert}"
+    return (f"curl{tls} {base_url}/chat/completions -H 'authorization: Bearer {key}'"
             f" -H 'content-type: application/json' -d '{body}'")
 
 
@@ -317,7 +359,9 @@ def _up(args) -> int:
     ports = SuitePorts.ephemeral() if args.ephemeral_ports else SuitePorts()
     suite = Suite(data_dir, ports, model_path=Path(args.model_path) if args.model_path else None,
                   engine_args=tuple(args.engine_arg), say=lambda m: print(m, flush=True),
-                  meter_token=_meter_token(data_dir))
+                  meter_token=_meter_token(data_dir),
+                  tls=local_suite_certs(data_dir / "tls") if args.tls else None)
+    ca = suite.tls.ca if suite.tls else None
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -328,12 +372,16 @@ def _up(args) -> int:
         key = suite.issue_key()
         print(f"\ntokenserve is up. Gateway: {suite.address('gateway')}  etcd: {suite.etcd_endpoint}")
         print(f"Demo tenant '{DEMO_TENANT}' ({DEMO_TIER} tier) API key (shown once):\n  {key}\n")
-        print("Try it:\n  " + grpcurl_command(key, suite.address("gateway")) + "\n")
+        print("Try it:\n  " + grpcurl_command(key, suite.address("gateway"), ca) + "\n")
         print(f"OpenAI-compatible HTTP API: {suite.http_url}\n  "
-              + curl_command(key, suite.http_url) + "\n")
-        print("Admin: tsctl --endpoints " + suite.etcd_endpoint + " status")
-        print(f"Usage: TOKENSERVE_METER_TOKEN=$(cat {_token_path(data_dir)}) tsctl usage --meter"
-              f" {suite.address('meter')}  (the meter wants its service token)")
+              + curl_command(key, suite.http_url, ca) + "\n")
+        creds = "" if suite.tls is None else (
+            f" --etcd-ca {suite.tls.ca} --etcd-cert {suite.tls.cert} --etcd-key {suite.tls.key}")
+        service_tls = "" if suite.tls is None else (
+            f" --tls-ca {suite.tls.ca} --tls-cert {suite.tls.cert} --tls-key {suite.tls.key}")
+        print(f"Admin: tsctl --endpoints {suite.etcd_endpoint}{creds} status")
+        print(f"Usage: TOKENSERVE_METER_TOKEN=$(cat {_token_path(data_dir)}) tsctl{service_tls}"
+              f" usage --meter {suite.address('meter')}  (the meter wants its service token)")
         print("Press Ctrl-C to stop.", flush=True)
         print(suite.supervise(), file=sys.stderr, flush=True)
         return 1
@@ -361,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="pick free ports instead of the defaults 50051-50054 / 2379")
     up.add_argument("--engine-arg", action="append", default=[],
                     help="extra argument passed to the engine (repeatable)")
+    up.add_argument("--tls", action="store_true",
+                    help="TLS everywhere: a throw-away CA and certificate under <data-dir>/tls,"
+                         " etcd and the internal services demanding client certificates")
     args = parser.parse_args(argv)
     if args.command == "up":
         return _up(args)

@@ -22,6 +22,9 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tokenserve.runtime.channels import sync_channel
+from tokenserve.runtime.tls import PLAINTEXT, TlsConfig
+
 ROOT = Path(__file__).resolve().parent.parent
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -29,8 +32,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class ServiceProcess:
     def __init__(self, module: str, args: list[str], port: int, *, log_path: Path,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, tls: TlsConfig = PLAINTEXT):
         self.module, self.args, self.port, self.log_path = module, list(args), port, log_path
+        # How the health check reaches it (the CA, and a client cert for mutual TLS).
+        self.tls = tls
         # Added to the environment (secrets go here: arguments show in process listings).
         self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
@@ -58,7 +63,7 @@ class ServiceProcess:
 
     def health(self) -> int | None:
         """The health check's status now; None while nothing answers."""
-        with grpc.insecure_channel(self.target) as channel:
+        with sync_channel(self.target, self.tls) as channel:
             try:
                 return health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=1.0).status

@@ -9,7 +9,8 @@ registered engine's GetInfo (running, waiting, KV blocks free), and each service
 /metrics endpoint (`--metrics HOST:PORT`, repeatable, or every port `tokenserve up` wrote to
 <suite-dir>/up.json). Rates and latency percentiles are taken over the interval between two
 scrapes; a percentile with no observation in the interval is taken since the process started
-(`ttft_window` / `itl_window`: "start").
+(`ttft_window` / `itl_window`: "start"). With `--suite-dir` of `tokenserve up --tls`, the
+suite's certificate (up.json names it) reaches etcd and the engines unless flags say otherwise.
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from controlplane.etcd_client import EtcdOptions
 from controlplane.store import ConfigStore
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
+from tokenserve.runtime.channels import aio_channel
 from tokenserve.runtime.errors import InvalidArgument
+from tokenserve.runtime.tls import PLAINTEXT, TlsConfig
 
 # (metric name, label items) -> value
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -193,6 +196,22 @@ def suite_metrics(suite_dir: str) -> list[str]:
             + f"127.0.0.1:{port}" for name, port in sorted(ports.items()) if name.endswith("_metrics")]
 
 
+def use_suite_certificates(a: argparse.Namespace) -> None:
+    """Fills the etcd and service TLS flags left unset from <suite-dir>/up.json, where the
+    suite runs with `--tls` (its certificate is the one every process presents)."""
+    try:
+        tls = json.loads((Path(a.suite_dir) / "up.json").read_text()).get("tls")
+    except (OSError, ValueError):
+        return  # suite_metrics says what is wrong with the folder
+    if not tls:
+        return
+    for prefix in ("etcd", "tls"):
+        if getattr(a, f"{prefix}_ca", None) is None and getattr(a, f"{prefix}_cert", None) is None:
+            setattr(a, f"{prefix}_ca", tls["ca"])
+            setattr(a, f"{prefix}_cert", tls["cert"])
+            setattr(a, f"{prefix}_key", tls["key"])
+
+
 def pair(metrics: list[str]) -> dict[str, str | None]:
     """["[ENDPOINT=]HOST:PORT", ...] -> {metrics address: engine endpoint or None}."""
     out = {}
@@ -226,9 +245,9 @@ async def registrations(options: EtcdOptions) -> dict:
     return {"error": None, "engines": engines, "gateways": gateways}
 
 
-async def engine_info(endpoint: str) -> dict | None:
+async def engine_info(endpoint: str, tls: TlsConfig = PLAINTEXT) -> dict | None:
     try:
-        async with grpc.aio.insecure_channel(endpoint) as ch:
+        async with aio_channel(endpoint, tls=tls) as ch:
             r = await engine_pb2_grpc.EngineServiceStub(ch).GetInfo(engine_pb2.GetInfoRequest(), timeout=2)
     except grpc.RpcError:
         return None
@@ -238,7 +257,7 @@ async def engine_info(endpoint: str) -> dict | None:
 
 
 async def sample(options: EtcdOptions, paired: dict[str, str | None], before: dict[str, Samples],
-                 seconds: float) -> tuple[dict, dict[str, Samples]]:
+                 seconds: float, tls: TlsConfig = PLAINTEXT) -> tuple[dict, dict[str, Samples]]:
     """One view: rows from the scrapes now compared with `before` (taken `seconds` ago)."""
     addresses = list(paired)
     after = {a: s for a in addresses if (s := await asyncio.to_thread(scrape, a)) is not None}
@@ -252,7 +271,7 @@ async def sample(options: EtcdOptions, paired: dict[str, str | None], before: di
             gateways.append(gateway_row(address, before.get(address, now), now, seconds))
     # registered engines: live load from GetInfo, on the row scraped from the same engine
     for r in reg["engines"]:
-        info = await engine_info(r.endpoint)
+        info = await engine_info(r.endpoint, tls)
         row = match(engines, r.endpoint, paired)
         if row is None:
             row = EngineRow(metrics="")
@@ -311,7 +330,8 @@ async def cmd_top(options: EtcdOptions, a: argparse.Namespace) -> int:
     while True:
         await asyncio.sleep(a.interval)
         now = time.monotonic()
-        view, before = await sample(options, paired, before, now - taken)
+        view, before = await sample(options, paired, before, now - taken,
+                                    getattr(a, "tls", PLAINTEXT))
         taken = now
         if a.once:
             print(json.dumps(view, indent=2, sort_keys=True) if a.json else render(view))

@@ -33,6 +33,7 @@ from controlplane.watcher import ConfigWatcher
 from tokenserve.runtime.service_token import METER_TOKEN_ENV
 from tokenserve.runtime.errors import InvalidArgument, ServiceError
 from tokenserve.runtime.logging import configure_logging
+from tokenserve.runtime.tls import tls_from_args
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -367,9 +368,15 @@ COMMANDS = {"tenant": cmd_tenant, "key": cmd_key, "tier": cmd_tier, "degrade": c
 
 
 async def run(a: argparse.Namespace) -> int:
+    if a.command == "top" and a.suite_dir:
+        top_view.use_suite_certificates(a)
     options = EtcdOptions(endpoints=a.endpoints, user=a.user, password=a.password, ca_file=a.etcd_ca,
                           cert_file=a.etcd_cert, key_file=a.etcd_key, timeout=a.timeout)
     out = Output(a.json)
+    try:
+        a.tls = tls_from_args(a)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
     if a.command == "watch":
         return await cmd_watch(options, a, out)
     if a.command == "usage":  # the meter, not etcd

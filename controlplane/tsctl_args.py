@@ -22,6 +22,11 @@ def _connection_args(p: argparse.ArgumentParser, defaults: dict | None) -> None:
     g.add_argument("--etcd-ca", help="CA certificate file; enables TLS", **kw("etcd_ca"))
     g.add_argument("--etcd-cert", help="client certificate file (mutual TLS)", **kw("etcd_cert"))
     g.add_argument("--etcd-key", help="client key file (mutual TLS)", **kw("etcd_key"))
+    g.add_argument("--tls-ca", help="CA certificate of the services' TLS (top's GetInfo, usage's"
+                   " meter); enables TLS to them", **kw("tls_ca"))
+    g.add_argument("--tls-cert", help="client certificate for services that require one",
+                   **kw("tls_cert"))
+    g.add_argument("--tls-key", help="the private key of --tls-cert", **kw("tls_key"))
     g.add_argument("--timeout", type=float, help="seconds per etcd request (default 5)", **kw("timeout"))
     g.add_argument("--actor", help="who is making the change, for the audit log (default: $USER)",
                    **kw("actor"))
@@ -33,7 +38,8 @@ def build_parser(*, default_endpoints: str, default_actor: str,
                  default_meter: str = "127.0.0.1:50054") -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="tsctl", description="Admin CLI for the tokenserve control plane (etcd).")
     _connection_args(top, {"endpoints": default_endpoints, "user": None, "password": default_password,
-                           "etcd_ca": None, "etcd_cert": None, "etcd_key": None, "timeout": 5.0,
+                           "etcd_ca": None, "etcd_cert": None, "etcd_key": None,
+                           "tls_ca": None, "tls_cert": None, "tls_key": None, "timeout": 5.0,
                            "actor": default_actor, "json": False})
     conn = argparse.ArgumentParser(add_help=False)
     _connection_args(conn, None)

@@ -18,8 +18,9 @@ from datetime import datetime, timezone
 import grpc
 
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
+from tokenserve.runtime.channels import aio_channel
 from tokenserve.runtime.errors import InvalidArgument, from_rpc_error
-from tokenserve.runtime.service_token import client_interceptors
+from tokenserve.runtime.tls import PLAINTEXT
 
 GROUPS = {"tenant": meter_pb2.GROUP_BY_TENANT, "app": meter_pb2.GROUP_BY_APP,
           "model": meter_pb2.GROUP_BY_MODEL, "version": meter_pb2.GROUP_BY_VERSION,
@@ -129,8 +130,8 @@ def add_usage_parser(sub, conn: argparse.ArgumentParser, default_meter: str) -> 
 
 
 async def cmd_usage(a: argparse.Namespace, out) -> int:
-    interceptors = client_interceptors(getattr(a, "meter_token", None)) or None
-    async with grpc.aio.insecure_channel(a.meter, interceptors=interceptors) as channel:
+    async with aio_channel(a.meter, token=getattr(a, "meter_token", None),
+                           tls=getattr(a, "tls", PLAINTEXT)) as channel:
         stub = meter_pb2_grpc.MeterServiceStub(channel)
         try:
             if a.action == "reconcile":

@@ -21,6 +21,7 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 import grpc
@@ -215,17 +216,37 @@ def _connection(target: str | None, api_key: str | None) -> tuple[str, tuple]:
             (("authorization", f"Bearer {key}"),))
 
 
+def _tls_credentials(tls_ca: str | None, tls_cert: str | None,
+                     tls_key: str | None) -> grpc.ChannelCredentials | None:
+    """TLS to the gateway when `tls_ca` (a PEM file) is given; `tls_cert`/`tls_key`: a client
+    certificate, for a gateway that requires one."""
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("tls_cert and tls_key must be given together")
+    if tls_ca is None:
+        if tls_cert is not None:
+            raise ValueError("a client certificate needs tls_ca (the gateway's CA)")
+        return None
+
+    def read(path):
+        return None if path is None else Path(path).read_bytes()
+    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+
+
 class Client:
     """Blocking client. `target` and `api_key` default to $TOKENSERVE_GATEWAY (else
     127.0.0.1:50051) and $TOKENSERVE_API_KEY; `timeout` (seconds) is the deadline of each call,
     retries included; `model` the default model ("" lets the gateway choose); `retry` when
-    and how often a refused call is tried again."""
+    and how often a refused call is tried again; `tls_ca` (a PEM file): connect with TLS,
+    verifying the gateway with that CA (`tls_cert`/`tls_key`: a client certificate)."""
 
     def __init__(self, target: str | None = None, api_key: str | None = None,
                  timeout: float = 30.0, *, model: str = "", channel: grpc.Channel | None = None,
-                 retry: RetryPolicy | None = None):
+                 retry: RetryPolicy | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None):
         target, self._metadata = _connection(target, api_key)
-        self._channel = channel or grpc.insecure_channel(target)
+        creds = _tls_credentials(tls_ca, tls_cert, tls_key)
+        self._channel = channel or (grpc.insecure_channel(target) if creds is None
+                                    else grpc.secure_channel(target, creds))
         self._stub = gateway_pb2_grpc.InferenceServiceStub(self._channel)
         self.timeout = timeout
         self.model = model
@@ -319,9 +340,13 @@ class AsyncClient:
 
     def __init__(self, target: str | None = None, api_key: str | None = None,
                  timeout: float = 30.0, *, model: str = "",
-                 channel: grpc.aio.Channel | None = None, retry: RetryPolicy | None = None):
+                 channel: grpc.aio.Channel | None = None, retry: RetryPolicy | None = None,
+                 tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None):
         target, self._metadata = _connection(target, api_key)
-        self._channel = channel or grpc.aio.insecure_channel(target)
+        creds = _tls_credentials(tls_ca, tls_cert, tls_key)
+        self._channel = channel or (grpc.aio.insecure_channel(target) if creds is None
+                                    else grpc.aio.secure_channel(target, creds))
         self._stub = gateway_pb2_grpc.InferenceServiceStub(self._channel)
         self.timeout = timeout
         self.model = model

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from tokenserve.runtime.config import check_endpoint, check_ports
+from controlplane.etcd_client import EtcdCredentials
+from tokenserve.runtime.tls import PLAINTEXT, TlsConfig
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -82,6 +84,10 @@ class EngineConfig:
     log_level: str = "info"
     # The meter's service token, sent on every meter call (None: the meter wants none).
     meter_token: str | None = field(default=None, repr=False)
+    # TLS of its listeners and of the channels it opens (tokenserve.runtime.tls).
+    tls: TlsConfig = PLAINTEXT
+    # How it reaches etcd: TLS, client certificate, user/password (controlplane.etcd_client).
+    etcd_credentials: EtcdCredentials = EtcdCredentials()
 
     def __post_init__(self):
         if not self.model_name or not self.version:

@@ -31,6 +31,10 @@ from tokenserve.runtime.logging import configure_logging, get_logger
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
 from tokenserve.runtime.service_token import METER_TOKEN_ENV
 from tokenserve.runtime.config import add_server_args
+from controlplane.etcd_client import (ETCD_PASSWORD_ENV, add_etcd_auth_args,
+                                      etcd_credentials_from_args)
+from tokenserve.runtime.errors import ServiceError
+from tokenserve.runtime.tls import tls_from_args
 from tokenserve.spool import DURABILITIES
 
 log = get_logger(component="engine.main")
@@ -91,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                    help="power figure for energy (reported as estimated) when no counter is"
                         " readable: NVML on a CUDA device, else RAPL")
     p.add_argument("--etcd-endpoints", default="", help="host:port[,host:port...]")
+    add_etcd_auth_args(p)
     p.add_argument("--meter", default=None,
                    help="meter host:port: the engine sends its own usage record of every"
                         " request there (default: none)")
@@ -125,9 +130,13 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
             meter=a.meter, spool_path=a.spool, spool_durability=a.spool_durability,
             advertise=a.advertise, grace_seconds=a.grace_seconds, drain_seconds=a.drain_seconds,
-            log_level=a.log_level, meter_token=os.environ.get(METER_TOKEN_ENV) or None)
+            log_level=a.log_level, meter_token=os.environ.get(METER_TOKEN_ENV) or None,
+            tls=tls_from_args(a),
+            etcd_credentials=etcd_credentials_from_args(a, os.environ.get(ETCD_PASSWORD_ENV)))
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
+    except ServiceError as e:
+        p.error(e.message)
 
 
 def build_core(config: EngineConfig, window: LoadWindow | None = None) -> EngineCore:
@@ -214,7 +223,8 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
         "engine", [Registration(SERVICE_NAME, engine_pb2_grpc.add_EngineServiceServicer_to_server,
                                 servicer)],
         ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
-                      grace_seconds=config.grace_seconds, drain_seconds=config.drain_seconds),
+                      grace_seconds=config.grace_seconds, drain_seconds=config.drain_seconds,
+                      tls=config.tls),
         on_stop=[stop_engine], on_drain=[load.close])
     await server.start(serving=False)
     engine.start()
@@ -255,7 +265,7 @@ def _start_usage(config: EngineConfig, engine: AsyncEngine):
     from tokenserve.spool import SpoolSender, UsageSpool, send_usage
 
     spool = UsageSpool(config.spool_path, config.spool_durability)
-    channel = aio_channel(config.meter, token=config.meter_token)
+    channel = aio_channel(config.meter, token=config.meter_token, tls=config.tls)
     stub = meter_pb2_grpc.MeterServiceStub(channel)
     sender = SpoolSender(spool, lambda records: send_usage(stub, records, 10.0),
                          on_sent=on_sent)
@@ -283,7 +293,8 @@ async def _register(config: EngineConfig, port: int, max_context: int, out: list
         id=f"{config.model_name}-{config.version}-{socket.gethostname()}-{port}".replace("/", "-")[:128],
         endpoint=endpoint, model=config.model_name, version=config.version,
         capacity=config.max_concurrency, max_context=max_context)
-    out.append(await register_with_retry(list(config.etcd_endpoints), "engines", reg))
+    out.append(await register_with_retry(
+        config.etcd_credentials.options(config.etcd_endpoints), "engines", reg))
 
 
 def main(argv: list[str] | None = None) -> int:

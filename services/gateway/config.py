@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from controlplane.etcd_client import EtcdCredentials
 from services.gateway.health import EjectionPolicy
 from tokenserve.models import DEFAULT_MODEL_NAME
 from tokenserve.runtime.config import check_endpoint, check_ports
+from tokenserve.runtime.tls import PLAINTEXT, TlsConfig
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,10 @@ class GatewayConfig:
     log_level: str = "info"
     # The meter's service token, sent on every meter call (None: the meter wants none).
     meter_token: str | None = field(default=None, repr=False)
+    # TLS of its listeners and of the channels it opens (tokenserve.runtime.tls).
+    tls: TlsConfig = PLAINTEXT
+    # How it reaches etcd: TLS, client certificate, user/password (controlplane.etcd_client).
+    etcd_credentials: EtcdCredentials = EtcdCredentials()
 
     def __post_init__(self):
         check_ports(self.port, self.metrics_port)

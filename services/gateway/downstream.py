@@ -22,19 +22,23 @@ from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.meter.v1 import meter_pb2, meter_pb2_grpc
 from tokenserve.runtime.channels import aio_channel
 from tokenserve.runtime.errors import ServiceError, from_rpc_error
+from tokenserve.runtime.tls import PLAINTEXT, TlsConfig
 from tokenserve.spool import send_usage
 from tokenserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenserve.usage import UsageRecord
 
 
 class Channels:
-    def __init__(self):
+    """One channel per engine endpoint, TLS when `tls` has a CA."""
+
+    def __init__(self, tls: TlsConfig = PLAINTEXT):
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, endpoint: str) -> grpc.aio.Channel:
         ch = self._channels.get(endpoint)
         if ch is None:
-            ch = self._channels[endpoint] = aio_channel(endpoint)
+            ch = self._channels[endpoint] = aio_channel(endpoint, tls=self._tls)
         return ch
 
     async def close(self) -> None:

@@ -39,6 +39,7 @@ from services.gateway.openai_schema import (ChatCompletionRequest, CompletionReq
                                             chat_request, completion_request, openapi_document)
 from services.gateway.validation import SESSION_HEADER, InferenceRequest, validate
 from tokenserve.runtime.errors import ServiceError
+from tokenserve.runtime.tls import PLAINTEXT, TlsConfig
 
 log = structlog.get_logger(component="http")
 
@@ -125,8 +126,10 @@ class _Call:
 
 class HttpFront:
     def __init__(self, pipeline: Pipeline, default_timeout: float, *, host: str, port: int,
-                 grace_seconds: float = 5.0, max_body_bytes: int = 16 * 1024 * 1024):
+                 grace_seconds: float = 5.0, max_body_bytes: int = 16 * 1024 * 1024,
+                 tls: TlsConfig = PLAINTEXT):
         self._pipeline = pipeline
+        self._tls = tls  # HTTPS with the gRPC port's certificate when it serves TLS
         self._max_body = max_body_bytes
         self._default_timeout = default_timeout
         self._host, self._port, self._grace = host, port, grace_seconds
@@ -159,7 +162,8 @@ class HttpFront:
         sock.setblocking(False)
         config = uvicorn.Config(self.app, lifespan="off", access_log=False, log_config=None,
                                 log_level="warning", server_header=False, date_header=False,
-                                timeout_graceful_shutdown=self._grace)
+                                timeout_graceful_shutdown=self._grace,
+                                **self._tls.uvicorn_kwargs())
         config.load()
         server = uvicorn.Server(config)
         # What Server.serve does before startup, without its signal handlers and tick loop:

@@ -16,6 +16,8 @@ from typing import Callable
 import structlog
 
 from controlplane import admin
+from controlplane.etcd_client import (ETCD_PASSWORD_ENV, add_etcd_auth_args,
+                                      etcd_credentials_from_args)
 from controlplane.registry import register_with_retry
 from controlplane.schema import MAX_CANARY_WINDOW_SECONDS, GatewayRegistration
 from controlplane.snapshot import ConfigSnapshot
@@ -45,6 +47,7 @@ from tokenserve.runtime.logging import configure_logging
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
 from tokenserve.runtime.service_token import METER_TOKEN_ENV
 from tokenserve.runtime.config import add_server_args
+from tokenserve.runtime.tls import tls_from_args
 from tokenserve.spool import DURABILITIES, SpoolSender, UsageSpool
 
 SERVICE_NAME = "tokenserve.gateway.v1.InferenceService"
@@ -61,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                    help="OpenAI-compatible HTTP API port; -1 disables it, 0 picks a free one")
     p.add_argument("--etcd-endpoints", default="127.0.0.1:2379",
                    help="comma-separated host:port list")
+    add_etcd_auth_args(p)
     p.add_argument("--tokenizer", default="127.0.0.1:50052")
     p.add_argument("--tokenize", choices=TOKENIZE_MODES, default="auto",
                    help="prompt ids: auto (default) encodes in this process where the model's"
@@ -113,9 +117,13 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             ejection=EjectionPolicy(failures=a.eject_after, deadlines=ej.deadlines,
                                     backoff_seconds=a.eject_backoff,
                                     max_backoff_seconds=a.eject_backoff_max),
-            log_level=a.log_level, meter_token=os.environ.get(METER_TOKEN_ENV) or None)
+            log_level=a.log_level, meter_token=os.environ.get(METER_TOKEN_ENV) or None,
+            tls=tls_from_args(a),
+            etcd_credentials=etcd_credentials_from_args(a, os.environ.get(ETCD_PASSWORD_ENV)))
     except ValueError as e:
         p.error(str(e))
+    except ServiceError as e:
+        p.error(e.message)
 
 
 def quota_store(config: GatewayConfig, source: ConfigSource) -> QuotaStore:
@@ -150,15 +158,15 @@ def build(config: GatewayConfig, source: ConfigSource, router: Router, board: Lo
     sender."""
     spool = UsageSpool(config.spool_path, config.spool_durability)
     metrics.USAGE_EVENTS_SPOOLED.set(len(spool))
-    meter_channel = aio_channel(config.meter, token=config.meter_token)
-    tokenizer_channel = aio_channel(config.tokenizer)
+    meter_channel = aio_channel(config.meter, token=config.meter_token, tls=config.tls)
+    tokenizer_channel = aio_channel(config.tokenizer, tls=config.tls)
     meter = MeterClient(meter_channel)
     sender = SpoolSender(spool, meter.record,
                          batch_size=config.spool_batch_size,
                          max_backoff=config.spool_max_backoff_seconds,
                          on_sent=lambda n: (metrics.USAGE_EVENTS_SENT.inc(n),
                                             metrics.USAGE_EVENTS_SPOOLED.dec(n)))
-    channels = Channels()
+    channels = Channels(config.tls)
     engines = EngineClient(channels)
     quotas = quota_store(config, source)
     # Tokenizer loads and long prompts run here, off the event loop.
@@ -173,7 +181,7 @@ def build(config: GatewayConfig, source: ConfigSource, router: Router, board: Lo
     prober = Prober(router.health, engines.serving)
     router.health.subscribe(prober.on_eject)
     # Canary rollbacks: this gateway's own writes to the control plane, audited under its id.
-    store = ConfigStore(list(config.etcd_endpoints))
+    store = ConfigStore(config.etcd_credentials.options(config.etcd_endpoints))
     actor = f"gateway:{config.gateway_id or f'{socket.gethostname()}-{os.getpid()}'}"
     stats = VersionStats(retain_seconds=MAX_CANARY_WINDOW_SECONDS)
     guardian = CanaryGuardian(stats, lambda model, version, reason: admin.roll_back_canary(
@@ -195,12 +203,13 @@ def build(config: GatewayConfig, source: ConfigSource, router: Router, board: Lo
         await tokenizer_channel.close()
         tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port)
+    options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
+                            tls=config.tls)
     http = None
     if config.http_port is not None:
         http = HttpFront(pipeline, config.request_timeout_seconds, host=config.host,
                          port=config.http_port, grace_seconds=options.grace_seconds,
-                         max_body_bytes=options.max_message_bytes)
+                         max_body_bytes=options.max_message_bytes, tls=config.tls)
     server = GrpcServer(
         "gateway",
         [Registration(SERVICE_NAME, add_to_server,
@@ -213,7 +222,8 @@ async def _register_when_possible(config: GatewayConfig, port: int):
     """Announces this gateway in etcd under a lease; retries while etcd is unreachable."""
     gid = config.gateway_id or f"gateway-{config.host}-{port}"
     reg = GatewayRegistration(id=gid.replace(":", "-"), endpoint=f"{config.host}:{port}")
-    return await register_with_retry(list(config.etcd_endpoints), "gateways", reg, ttl=5)
+    return await register_with_retry(config.etcd_credentials.options(config.etcd_endpoints),
+                                     "gateways", reg, ttl=5)
 
 
 async def _publish_level(governor: Governor, registering: asyncio.Task) -> None:
@@ -236,7 +246,8 @@ async def _publish_level(governor: Governor, registering: asyncio.Task) -> None:
 
 async def serve(config: GatewayConfig):
     configure_logging("gateway", config.log_level)
-    watcher = ConfigWatcher(list(config.etcd_endpoints), snapshot_path=Path(config.snapshot_path),
+    watcher = ConfigWatcher(config.etcd_credentials.options(config.etcd_endpoints),
+                            snapshot_path=Path(config.snapshot_path),
                             service="gateway")
     await watcher.start()
     board = LoadBoard()

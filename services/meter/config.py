@@ -4,9 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from controlplane.etcd_client import EtcdCredentials
 from services.meter.usage import DEFAULT_MAX_AGE_SECONDS, DEFAULT_MAX_AHEAD_SECONDS
 from tokenserve.runtime.config import check_ports
 from tokenserve.runtime.service_token import check_token
+from tokenserve.runtime.tls import PLAINTEXT, TlsConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,10 @@ class MeterConfig:
     log_level: str = "info"
     # Set: every MeterService call needs `authorization: Bearer <token>` (service_token).
     token: str | None = field(default=None, repr=False)
+    # TLS of its listeners and of the channels it opens (tokenserve.runtime.tls).
+    tls: TlsConfig = PLAINTEXT
+    # How it reaches etcd: TLS, client certificate, user/password (controlplane.etcd_client).
+    etcd_credentials: EtcdCredentials = EtcdCredentials()
 
     def __post_init__(self):
         check_ports(self.port, self.metrics_port)

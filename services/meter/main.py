@@ -18,7 +18,11 @@ from services.meter.store import Ledger
 from services.meter.usage import IngestRules
 from tokenserve.meter.v1 import meter_pb2_grpc
 from tokenserve.runtime.config import add_server_args
-from tokenserve.runtime.logging import configure_logging
+from controlplane.etcd_client import (ETCD_PASSWORD_ENV, add_etcd_auth_args,
+                                      etcd_credentials_from_args)
+from tokenserve.runtime.errors import ServiceError
+from tokenserve.runtime.tls import tls_from_args
+from tokenserve.runtime.logging import configure_logging, get_logger
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
 from tokenserve.runtime.service_token import METER_TOKEN_ENV, RequireToken
 
@@ -37,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> MeterConfig:
                    help="refuse events that finish further in the future (default 300)")
     p.add_argument("--etcd-endpoints", default="",
                    help="host:port[,...]; events of tenants not configured there are refused")
+    add_etcd_auth_args(p)
     p.add_argument("--config-snapshot", type=Path, default=None,
                    help="last known good etcd config (used when etcd is down at start)")
     p.add_argument("--reconcile-interval-seconds", type=float,
@@ -56,9 +61,12 @@ def parse_args(argv: list[str] | None = None) -> MeterConfig:
             config_snapshot=a.config_snapshot,
             reconcile_interval_seconds=a.reconcile_interval_seconds,
             reconcile_window_seconds=a.reconcile_window_seconds, log_level=a.log_level,
-            token=os.environ.get(METER_TOKEN_ENV) or None)
+            token=os.environ.get(METER_TOKEN_ENV) or None, tls=tls_from_args(a),
+            etcd_credentials=etcd_credentials_from_args(a, os.environ.get(ETCD_PASSWORD_ENV)))
     except ValueError as e:
         p.error(str(e))
+    except ServiceError as e:
+        p.error(e.message)
 
 
 async def serve(config: MeterConfig) -> int:
@@ -73,7 +81,8 @@ async def serve(config: MeterConfig) -> int:
     if config.etcd_endpoints:
         from controlplane.watcher import ConfigWatcher
 
-        watcher = ConfigWatcher(list(config.etcd_endpoints), service="meter",
+        watcher = ConfigWatcher(config.etcd_credentials.options(config.etcd_endpoints),
+                                service="meter",
                                 snapshot_path=config.config_snapshot)
         await watcher.start()
         on_stop.append(watcher.close)
@@ -90,7 +99,8 @@ async def serve(config: MeterConfig) -> int:
     server = GrpcServer(
         "meter",
         [Registration(SERVICE_NAME, meter_pb2_grpc.add_MeterServiceServicer_to_server, servicer)],
-        ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port),
+        ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
+                      tls=config.tls),
         on_stop=[servicer.close, *on_stop],
         interceptors=(RequireToken(config.token, "tokenserve.meter.v1."),) if config.token else ())
     log.info("ledger_open", backend="postgresql" if config.postgres else "sqlite",
@@ -102,4 +112,9 @@ async def serve(config: MeterConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(serve(parse_args(argv)))
+    config = parse_args(argv)
+    try:
+        return asyncio.run(serve(config))
+    except ServiceError as e:  # e.g. etcd refused us and no last-known-good snapshot
+        get_logger(component="meter").error("meter_start_failed", error=e.message)
+        return 1

@@ -5,6 +5,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from tokenserve.runtime.config import check_ports
+from controlplane.etcd_client import EtcdCredentials
+from tokenserve.runtime.tls import PLAINTEXT, TlsConfig
 from tokenserve.tokenization import MAX_TEXT_BYTES
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -34,6 +36,10 @@ class TokenizerConfig:
     # Last known good etcd config, used when etcd is unreachable at start.
     config_snapshot: Path | None = None
     log_level: str = "info"
+    # TLS of its listeners and of the channels it opens (tokenserve.runtime.tls).
+    tls: TlsConfig = PLAINTEXT
+    # How it reaches etcd: TLS, client certificate, user/password (controlplane.etcd_client).
+    etcd_credentials: EtcdCredentials = EtcdCredentials()
 
     def __post_init__(self):
         check_ports(self.port, self.metrics_port)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -11,9 +12,13 @@ from services.tokenizer.registry import TokenizerRegistry
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer, add_to_server
 from services.tokenizer.tokenizing import Tokenization
 from tokenserve.models import DEFAULT_MODEL_NAME, default_model_path
-from tokenserve.runtime.logging import configure_logging
+from tokenserve.runtime.logging import configure_logging, get_logger
 from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
 from tokenserve.runtime.config import add_server_args
+from controlplane.etcd_client import (ETCD_PASSWORD_ENV, add_etcd_auth_args,
+                                      etcd_credentials_from_args)
+from tokenserve.runtime.errors import ServiceError
+from tokenserve.runtime.tls import tls_from_args
 
 
 def _model(value: str) -> tuple[str, Path]:
@@ -39,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
                    help="load every tokenizer before reporting SERVING")
     p.add_argument("--etcd-endpoints", default="",
                    help="comma-separated host:port; adds the models listed in etcd")
+    add_etcd_auth_args(p)
     p.add_argument("--config-snapshot", default="var/tokenizer.snapshot.json",
                    help="last known good etcd config (used when etcd is down at start)")
     p.add_argument("--log-level", default="info")
@@ -56,9 +62,12 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
             max_text_bytes=a.max_text_bytes, max_batch_items=a.max_batch_items,
             workers=a.workers, preload=a.preload, etcd_endpoints=etcd,
             config_snapshot=Path(a.config_snapshot) if a.config_snapshot else None,
-            log_level=a.log_level)
+            log_level=a.log_level, tls=tls_from_args(a),
+            etcd_credentials=etcd_credentials_from_args(a, os.environ.get(ETCD_PASSWORD_ENV)))
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
+    except ServiceError as e:
+        p.error(e.message)
 
 
 async def serve(config: TokenizerConfig) -> None:
@@ -74,7 +83,8 @@ async def serve(config: TokenizerConfig) -> None:
     if config.etcd_endpoints:
         from controlplane.watcher import ConfigWatcher
         from services.tokenizer.catalog import EtcdModels
-        watcher = ConfigWatcher(list(config.etcd_endpoints), service="tokenizer",
+        watcher = ConfigWatcher(config.etcd_credentials.options(config.etcd_endpoints),
+                                service="tokenizer",
                                 snapshot_path=config.config_snapshot)
         catalog = EtcdModels(registry, config.models)
         catalog.apply(await watcher.start())
@@ -88,7 +98,7 @@ async def serve(config: TokenizerConfig) -> None:
     server = GrpcServer(
         "tokenizer", [Registration(SERVICE_NAME, add_to_server, TokenizerServicer(tokenization))],
         ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
-                      handler_threads=config.workers),
+                      handler_threads=config.workers, tls=config.tls),
         on_stop=on_stop)
     await server.start(serving=not config.preload)
     if config.preload:
@@ -100,5 +110,10 @@ async def serve(config: TokenizerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    asyncio.run(serve(parse_args(argv)))
+    config = parse_args(argv)
+    try:
+        asyncio.run(serve(config))
+    except ServiceError as e:  # e.g. etcd refused us and no last-known-good snapshot
+        get_logger(component="tokenizer").error("tokenizer_start_failed", error=e.message)
+        return 1
     return 0

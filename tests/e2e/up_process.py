@@ -42,13 +42,13 @@ def alive(pid: int) -> bool:
 class Up:
     """The `tokenserve up` process: its output, its up.json, a client of its gateway."""
 
-    def __init__(self, data_dir: Path):
+    def __init__(self, data_dir: Path, extra_args: tuple[str, ...] = ()):
         self.data_dir = data_dir
         self.out_path = data_dir / "up.out"
         self.out = open(self.out_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "controlplane.launcher", "up", "--ephemeral-ports",
-             "--data-dir", str(data_dir / "var")], cwd=ROOT, stdout=self.out,
+             "--data-dir", str(data_dir / "var"), *extra_args], cwd=ROOT, stdout=self.out,
             stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.key = ""
         self.channel: grpc.Channel | None = None
@@ -67,7 +67,10 @@ class Up:
     def start(self):
         assert self.wait_output("Press Ctrl-C to stop.", 600), self.output()[-3000:]
         self.key = re.search(r"API key \(shown once\):\n  (ts-\S+)", self.output()).group(1)
-        self.channel = grpc.insecure_channel(self.address("gateway"))
+        tls = self.state.get("tls")
+        self.channel = (grpc.insecure_channel(self.address("gateway")) if not tls else
+                        grpc.secure_channel(self.address("gateway"), grpc.ssl_channel_credentials(
+                            Path(tls["ca"]).read_bytes())))
         self.api = gateway_pb2_grpc.InferenceServiceStub(self.channel)
 
     @property

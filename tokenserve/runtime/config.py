@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+from tokenserve.runtime.tls import add_tls_args
+
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
 
 
@@ -27,8 +29,10 @@ def _metrics_port(value: str) -> int | None:
 
 
 def add_server_args(parser, *, port: int, metrics_port: int) -> None:
-    """--host, --port and --metrics-port (-1: no /metrics, parsed as None; 0: any free port)."""
+    """--host, --port, --metrics-port (-1: no /metrics, parsed as None; 0: any free port) and
+    the TLS flags (tokenserve.runtime.tls; read them with tls_from_args)."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port)
     parser.add_argument("--metrics-port", type=_metrics_port, default=metrics_port,
                         help="Prometheus /metrics port; -1 disables it, 0 picks a free one")
+    add_tls_args(parser)

@@ -2,6 +2,8 @@
 grpc.health.v1 check answers SERVING, 1 otherwise (the container health check).
 
     python -m tokenserve.runtime.health_probe 127.0.0.1:50051 --timeout 2
+    python -m tokenserve.runtime.health_probe 127.0.0.1:50053 --tls-ca ca.pem \
+        --tls-cert client.pem --tls-key client.key     # a TLS (mutual TLS) server
 """
 from __future__ import annotations
 
@@ -11,10 +13,14 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tokenserve.runtime.channels import sync_channel
+from tokenserve.runtime.tls import PLAINTEXT, TlsConfig, add_tls_args, tls_from_args
 
-def check(address: str, service: str = "", timeout: float = 2.0) -> str:
+
+def check(address: str, service: str = "", timeout: float = 2.0,
+          tls: TlsConfig = PLAINTEXT) -> str:
     """The health status name (SERVING, NOT_SERVING, ...), or the gRPC error code's name."""
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address, tls) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -29,8 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("address", help="host:port of the gRPC server")
     p.add_argument("--service", default="", help="service name to check (default: the server)")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds")
+    add_tls_args(p, serving=False)
     a = p.parse_args(argv)
-    status = check(a.address, a.service, a.timeout)
+    try:
+        tls = tls_from_args(a)
+    except ValueError as e:
+        p.error(str(e))
+    status = check(a.address, a.service, a.timeout, tls)
     print(f"{a.address}: {status}")
     return 0 if status == "SERVING" else 1
 

@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from tokenserve.runtime import errors
 from tokenserve.runtime.logging import get_logger
 from tokenserve.runtime.metrics import start_metrics_server
+from tokenserve.runtime.tls import PLAINTEXT, TlsConfig
 
 log = get_logger(component="server")
 
@@ -44,6 +45,8 @@ class ServerOptions:
     max_message_bytes: int = 16 * 1024 * 1024
     # None: grpc.aio server. N: synchronous server, handlers on N threads.
     handler_threads: int | None = None
+    # TLS (and with client_auth "require", mutual TLS) on the gRPC port; default plaintext.
+    tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -186,7 +189,9 @@ class GrpcServer:
         names = [r.name for r in self.registrations]
         reflection.enable_server_reflection(
             [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        self.port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+        address = f"{opts.host}:{opts.port}"
+        self.port = (server.add_secure_port(address, opts.tls.server_credentials())
+                     if opts.tls.serves_tls else server.add_insecure_port(address))
         if self.port == 0:
             raise OSError(f"cannot bind {opts.host}:{opts.port}")
         if self._sync:
@@ -197,7 +202,9 @@ class GrpcServer:
         if opts.metrics_port is not None:
             self.metrics_port = start_metrics_server(opts.metrics_port, opts.host)
         await self.set_serving(serving)
-        log.info("serving", service=self.service, port=self.port, metrics_port=self.metrics_port)
+        log.info("serving", service=self.service, port=self.port, metrics_port=self.metrics_port,
+                 tls=("mutual" if opts.tls.client_auth == "require"
+                      else "on" if opts.tls.serves_tls else "off"))
         return self.port
 
     async def set_serving(self, serving: bool):

@@ -26,12 +26,13 @@ FREE_MAX_TOKENS = 16
 class Control:
     """Writes policy into the real etcd the gateway watches."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, options=None):
         self.endpoint = endpoint
+        self.options = options  # EtcdOptions with credentials (default: plaintext, none)
 
     def _run(self, fn):
         async def go():
-            async with ConfigStore([self.endpoint]) as store:
+            async with ConfigStore(self.options or [self.endpoint]) as store:
                 return await fn(store)
         return asyncio.run(go())
 
@@ -91,7 +92,8 @@ class Gateway:
 
 
 def start_gateway(tmp: Path, etcd_endpoint: str, tokenizer: str, meter: str,
-                  engines: list[str], name: str = "gateway", extra_args=()) -> Gateway:
+                  engines: list[str], name: str = "gateway", extra_args=(), *, env=None,
+                  tls=None) -> Gateway:
     port, metrics_port, http_port = free_port(), free_port(), free_port()
     args = ["--port", str(port), "--metrics-port", str(metrics_port), "--http-port", str(http_port),
             "--etcd-endpoints", etcd_endpoint, "--tokenizer", tokenizer, "--meter", meter,
@@ -100,7 +102,8 @@ def start_gateway(tmp: Path, etcd_endpoint: str, tokenizer: str, meter: str,
     for e in engines:
         args += ["--engine", f"{MODEL}=v1={e}"]
     args += list(extra_args)
-    proc = ServiceProcess("services.gateway", args, port, log_path=tmp / f"{name}.log").start()
+    proc = ServiceProcess("services.gateway", args, port, log_path=tmp / f"{name}.log", env=env,
+                          **({"tls": tls} if tls is not None else {})).start()
     return Gateway(proc, metrics_port, tmp / f"{name}.db", http_port)
 
 

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tokenserve.common.v1 import common_pb2
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tokenserve.runtime.tls import PLAINTEXT, TlsConfig
 
 MODEL = "tiny"
 
@@ -114,13 +115,14 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
 class FakeServer:
     """A sync gRPC server on a free loopback port, in its own threads."""
 
-    def __init__(self, servicer, add_fn):
+    def __init__(self, servicer, add_fn, tls: TlsConfig = PLAINTEXT):
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         add_fn(servicer, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.set_serving(True)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = (self.server.add_secure_port("127.0.0.1:0", tls.server_credentials())
+                     if tls.serves_tls else self.server.add_insecure_port("127.0.0.1:0"))
         self.servicer = servicer
         self.server.start()
 
@@ -136,9 +138,10 @@ class FakeServer:
         self.server.stop(0).wait()
 
 
-def fake_tokenizer() -> FakeServer:
-    return FakeServer(FakeTokenizer(), tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server)
+def fake_tokenizer(tls: TlsConfig = PLAINTEXT) -> FakeServer:
+    return FakeServer(FakeTokenizer(), tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server,
+                      tls)
 
 
-def fake_engine(**kw) -> FakeServer:
-    return FakeServer(FakeEngine(**kw), engine_pb2_grpc.add_EngineServiceServicer_to_server)
+def fake_engine(tls: TlsConfig = PLAINTEXT, **kw) -> FakeServer:
+    return FakeServer(FakeEngine(**kw), engine_pb2_grpc.add_EngineServiceServicer_to_server, tls)
