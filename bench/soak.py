@@ -1,6 +1,7 @@
 """A compressed soak: mixed load against `tokenserve up` with one fault injected every minute.
 
     python bench/soak.py [--minutes 10] [--meter-outage 60] [--out bench/results/soak]
+                         [--faults meter,engine,etcd,tokenizer,gateway] [--slot 60]
 
 The suite is the real `tokenserve up` command (its launcher supervises: a crashed process is
 restarted with backoff), on free ports, with the real SmolLM2. Load: --workers closed-loop
@@ -23,8 +24,8 @@ tests/integration/gateway/test_redis_faults.py.
 
 Recorded per fault: when it was injected, when the faulted process answered again
 (`service_back_s`), the first request started after the fault that succeeded
-(`first_ok_request_s`; for the meter: the first usage query answered, for etcd: the first
-read), and the status counts of requests that ended in the slot. At the end, once the
+(`first_ok_request_s`, when it ended: it includes that request's own time), and the status
+counts of requests that ended in the slot. At the end, once the
 spools drained: lost usage (a request that streamed tokens or finished OK with no gateway
 row in the meter, or with fewer tokens than the client saw), usage counted twice (two rows
 of one request id from one source), the meter's Reconcile of gateway vs engine records (an
@@ -459,12 +460,19 @@ def main() -> int:
     ap.add_argument("--minutes", type=int, default=10, help="fault slots (one fault each)")
     ap.add_argument("--meter-outage", type=float, default=60.0,
                     help="seconds the meter stays down (its slot: this + 15 s)")
+    ap.add_argument("--faults", default=",".join(FAULTS),
+                    help="the faults' order, comma-separated (default: %(default)s)")
+    ap.add_argument("--slot", type=float, default=60.0,
+                    help="seconds between faults (a quick check of the harness may shorten it)")
     ap.add_argument("--workers", type=int, default=4, help="closed-loop clients")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "soak"),
                     help="output path without extension (.json and .png are written)")
     ap.add_argument("--data-dir", help="where tokenserve up writes (default: a temporary folder)")
     args = ap.parse_args()
+    order = [f.strip() for f in args.faults.split(",") if f.strip()]
+    if not order or set(order) - set(FAULTS):
+        ap.error(f"--faults: choose from {', '.join(FAULTS)}")
 
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="soak-"))
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -478,8 +486,8 @@ def main() -> int:
         load.start()
         time.sleep(5)  # the load settles before the first fault
         for i in range(args.minutes):
-            kind = FAULTS[i % len(FAULTS)]
-            slot = max(60.0, args.meter_outage + 15) if kind == "meter" else 60.0
+            kind = order[i % len(order)]
+            slot = max(args.slot, args.meter_outage + 15) if kind == "meter" else args.slot
             slot_start = load.now()
             print(f"[{slot_start:6.1f} s] fault {i + 1}/{args.minutes}: {kind}", flush=True)
             rec = inject(up, kind, args.meter_outage)
@@ -510,7 +518,7 @@ def main() -> int:
             "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "config": {"minutes": args.minutes, "meter_outage_s": args.meter_outage,
                        "workers": args.workers, "seed": args.seed,
-                       "fault_order": list(FAULTS), "redis": "not used by tokenserve up"
+                       "slot_s": args.slot, "fault_order": order, "redis": "not used by tokenserve up"
                        " (memory quota store); see tests/integration/gateway/test_redis_faults.py"},
             "machine": machine_facts(default_model_path()),
             "seconds": round(seconds, 1),
