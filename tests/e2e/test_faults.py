@@ -247,18 +247,20 @@ def spool_file_rows(path) -> int:
         return conn.execute("SELECT COUNT(*) FROM spool").fetchone()[0]
 
 
-def streams_then_sigterm(up: Up, service: str, n: int, max_tokens: int, meanwhile=None):
-    """n streams through the gateway; SIGTERM to `service` once each has a token; a new
-    stream 0.2 s after (then `meanwhile()`, while it drains). Returns (outcomes, the new
-    stream's outcome, when SIGTERM was sent, seconds from it to the exit)."""
-    started = {f"{service}-term-{i}": threading.Event() for i in range(n)}
+def streams_then_sigterm(up: Up, service: str, lengths: list[int], meanwhile=None):
+    """Streams through the gateway, one per max_tokens in `lengths`; SIGTERM to `service`
+    once each has a token; a new stream 0.2 s after (then `meanwhile()`, while it drains).
+    Returns (outcomes, the new stream's outcome, when SIGTERM was sent, seconds from it to
+    the exit)."""
+    started = {f"{service}-term-{i}": threading.Event() for i in range(len(lengths))}
     outcomes: dict[str, Outcome] = {}
 
-    def run(rid):
-        outcomes[rid] = stream(up, rid, max_tokens, 120, "Count from 1 to 100: 1, 2, 3,",
+    def run(rid, max_tokens):
+        outcomes[rid] = stream(up, rid, max_tokens, 120, "Count from 1 to 1000: 1, 2, 3, 4, 5,",
                                started[rid])
 
-    threads = [threading.Thread(target=run, args=(rid,), daemon=True) for rid in started]
+    threads = [threading.Thread(target=run, args=(rid, n), daemon=True)
+               for rid, n in zip(started, lengths)]
     for t in threads:
         t.start()
     for rid, ev in started.items():
@@ -282,11 +284,13 @@ def test_sigterm_to_the_gateway_during_20_streams(up):
     assert tsctl(up, "tenant", "set-tier", "demo", "premium").returncode == 0
     assert wait_for(lambda: rps_limit_seen(up) == "200", 10, 0.05)
     with launcher_paused(up):
-        outcomes, late, termed, exited = streams_then_sigterm(up, "gateway", 20, 8)
+        # half short, half far longer than the grace period (cut at its end)
+        outcomes, late, termed, exited = streams_then_sigterm(up, "gateway", [8, 1000] * 10)
         # drain 1 s + grace 5 s: every stream ended by then, completed or UNAVAILABLE
         assert len(outcomes) == 20
         codes = {rid: o.code for rid, o in outcomes.items()}
-        assert set(codes.values()) <= {"OK", "UNAVAILABLE"}, codes
+        # (on a loaded machine a short one may be cut too; a long one always is)
+        assert set(codes.values()) <= {"OK", "UNAVAILABLE"} and "UNAVAILABLE" in codes.values()
         assert max(o.ended_at for o in outcomes.values()) - termed < 6 + 1.5
         assert late.code == "UNAVAILABLE", late
         # the spool was flushed on the way out: empty file, every stream's usage in the meter
@@ -296,9 +300,9 @@ def test_sigterm_to_the_gateway_during_20_streams(up):
         for r in rows:
             o = outcomes[r["request_id"]]
             assert r["status"] == o.code and int(r["completion_tokens"]) >= o.tokens, (r, o)
-        print(f"gateway SIGTERM: {list(codes.values()).count('OK')} of 20 streams completed,"
-              f" the rest UNAVAILABLE; exited {exited:.1f} s after; new stream: {late.code}"
-              f" ({late.details})")
+        ok = list(codes.values()).count("OK")
+        print(f"gateway SIGTERM: {ok} of 20 streams completed, {20 - ok} UNAVAILABLE; exited"
+              f" {exited:.1f} s after; new stream: {late.code} ({late.details})")
     assert up.wait_output("gateway is serving again", 120), up.output()[-2000:]
     assert wait_for(lambda: stream(up, "after-gateway-back", 2, 30).code == "OK", 30)
 
@@ -317,16 +321,18 @@ def test_sigterm_to_the_engine_drains(up):
     with launcher_paused(up):
         engine = up.address("engine")
         outcomes, late, termed, exited = streams_then_sigterm(
-            up, "engine", 6, 24, meanwhile=lambda: direct_call_refused(up))
+            up, "engine", [8, 1000] * 3, meanwhile=lambda: direct_call_refused(up))
         codes = {rid: o.code for rid, o in outcomes.items()}
-        assert set(codes.values()) <= {"OK", "UNAVAILABLE"}, codes
+        # (on a loaded machine a short one may be cut too; a long one always is)
+        assert set(codes.values()) <= {"OK", "UNAVAILABLE"} and "UNAVAILABLE" in codes.values()
         for o in outcomes.values():
             if o.code == "UNAVAILABLE":
                 assert f"engine {engine}" in o.details, o.details
         assert max(o.ended_at for o in outcomes.values()) - termed < 6 + 1.5
         assert late.code == "UNAVAILABLE" and "engine" in late.details, late
-        print(f"engine SIGTERM: {list(codes.values()).count('OK')} of 6 streams completed;"
-              f" exited {exited:.1f} s after; new stream: {late.code} ({late.details})")
+        ok = list(codes.values()).count("OK")
+        print(f"engine SIGTERM: {ok} of 6 streams completed, {6 - ok} UNAVAILABLE; exited"
+              f" {exited:.1f} s after; new stream: {late.code} ({late.details})")
         assert spool_file_rows(up.data_dir / "var" / "engine-spool.db") == 0
         # the engine recorded the streams cut by its exit too (as cancelled): they reconcile
         assert wait_for(lambda: {r["request_id"] for r in meter_rows(
