@@ -38,6 +38,10 @@ from tokenserve.runtime.errors import ServiceError, Unavailable
 Callback = Callable[[ConfigSnapshot], Awaitable[None] | None]
 # lazy proxy: picks up configure_logging() even when called after this import
 log = structlog.get_logger(component="config_watcher")
+# The longest wait between reconnects while etcd is away: once it is back, a change made
+# there applies within a second (at most this long to see it return, then the re-read); a
+# connection attempt every half second costs etcd nothing.
+MAX_RECONNECT_SECONDS = 0.5
 
 _gauges: dict[tuple[int, str], Gauge] = {}  # one Gauge per (registry, name): watchers may restart
 
@@ -196,8 +200,9 @@ class ConfigWatcher:
                 self.connected = False
                 log.warning("config_watch_lost", error_type=type(e).__name__,
                             error=describe(e), retry_in=round(backoff, 2))
-                await asyncio.sleep(backoff * (1 + random.random() / 2))
-                backoff = min(backoff * 2, 5.0)
+                await asyncio.sleep(min(MAX_RECONNECT_SECONDS,
+                                        backoff * (1 + random.random() / 2)))
+                backoff = min(backoff * 2, MAX_RECONNECT_SECONDS)
                 await self._client.reconnect(rotate=True)
 
     async def _watch(self, start_revision: int) -> bool:

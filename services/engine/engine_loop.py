@@ -105,6 +105,12 @@ class EngineLoop:
             self._publish()
             if outputs:
                 self._deliver(outputs)
+        # stopping: what is still here (streams cut at the end of the grace period, their
+        # aborts not yet taken) ends as cancelled, so its usage is recorded like any cancel's
+        outputs = self._drain(core) + core.abort_all(FinishReason.CANCELLED)
+        self._publish()
+        if outputs:
+            self._deliver(outputs)
 
     def _gather(self) -> None:
         deadline = time.monotonic() + GATHER_MAX_S

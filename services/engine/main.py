@@ -225,7 +225,7 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
         ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
                       grace_seconds=config.grace_seconds, drain_seconds=config.drain_seconds,
                       tls=config.tls),
-        on_stop=[stop_engine], on_drain=[load.close])
+        on_stop=[stop_engine], on_drain=[servicer.drain, load.close])
     await server.start(serving=False)
     engine.start()
     failed = []

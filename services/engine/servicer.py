@@ -54,9 +54,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.engine = engine
         self.info: ModelInfo | None = None  # set by main once the model is loaded
         self.load: LoadPublisher | None = None  # set by main with the info
+        # Set as the server drains (SIGTERM): running streams go on, new ones are refused.
+        self.draining = False
+
+    def drain(self) -> None:
+        self.draining = True
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         info = self._ready()
+        if self.draining:
+            raise Unavailable("this engine is draining (shutting down); retry on another replica")
         sampling = sampling_from_pb(request)
         prompt = list(request.prompt_token_ids)
         validate_request(prompt, sampling, request.max_tokens, list(request.stop),

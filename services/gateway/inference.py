@@ -91,6 +91,8 @@ class _Progress:
         # An engine took the request (did work): it is billed and metered.
         self.engine_called = False
         self.recorded = False
+        # Cut by this gateway's shutdown: ended before it saw the engine's final counts.
+        self.cut = False
         self.started_at = time.time()
 
     def record(self, status: str) -> UsageRecord:
@@ -101,7 +103,8 @@ class _Progress:
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
             cached_tokens=min(self.cached_tokens, self.prompt_tokens), status=status,
             finish_reason=self.finish_reason,
-            cancelled=status in _CANCELLED_STATUSES or self.finish_reason == "cancelled",
+            cancelled=(status in _CANCELLED_STATUSES or self.finish_reason == "cancelled"
+                       or self.cut),
             started_at=self.started_at, finished_at=max(time.time(), self.started_at),
             energy_joules=self.energy_joules, energy_estimated=self.energy_estimated)
 
@@ -140,6 +143,11 @@ class Pipeline:
         self._max_attempts = max_engine_attempts
         self.stats = stats
         self._guardian = guardian
+        # Set as the server drains (SIGTERM): running requests go on, new ones are refused.
+        self._draining = False
+
+    def drain(self) -> None:
+        self._draining = True
 
     @property
     def snapshot(self) -> ConfigSnapshot:
@@ -157,6 +165,8 @@ class Pipeline:
     async def stream(self, caller: Caller, req: InferenceRequest,
                      timeout: float) -> AsyncIterator[Chunk]:
         """`req` must be validated; `timeout` is the seconds left of the caller's deadline."""
+        if self._draining:
+            raise Unavailable("this gateway is shutting down; retry on another gateway")
         arrived = time.monotonic()
         deadline = arrived + timeout
 
@@ -201,7 +211,10 @@ class Pipeline:
             status = e.code.name
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            status = "CANCELLED"
+            # draining: the server cut the call at the end of its grace period, and the
+            # caller sees UNAVAILABLE (a caller's own cancel then is counted the same)
+            status = "UNAVAILABLE" if self._draining else "CANCELLED"
+            progress.cut = self._draining
             raise
         finally:
             if progress.engine_called:

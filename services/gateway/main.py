@@ -214,7 +214,7 @@ def build(config: GatewayConfig, source: ConfigSource, router: Router, board: Lo
         "gateway",
         [Registration(SERVICE_NAME, add_to_server,
                       InferenceServicer(pipeline, config.request_timeout_seconds, meter))],
-        options, on_stop=([http.stop] if http else []) + [close_all])
+        options, on_stop=([http.stop] if http else []) + [close_all], on_drain=[pipeline.drain])
     return server, [sender.start, prober.start, governor.start], http, governor
 
 

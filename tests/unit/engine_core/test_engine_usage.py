@@ -57,3 +57,25 @@ async def test_finished_and_cancelled_requests_each_leave_one_record(tmp_path):
     assert c.completion_tokens >= 3
     assert d.finished_at == 1_700_000_000.0 and d.started_at <= d.finished_at
     spool.close()
+
+
+async def test_a_request_still_running_when_the_engine_stops_is_recorded_as_cancelled(tmp_path):
+    """SIGTERM: the grace period ends, the server cuts the stream and the step thread stops
+    before it takes the abort; the request is recorded all the same."""
+    spool = UsageSpool(tmp_path / "engine-spool.db")
+    usage = EngineUsage("m", "v1", spool)
+    engine = AsyncEngine(build, on_final=usage.record)
+    engine.start()
+    await engine.wait_ready()
+    seq = dataclasses.replace(make_seq(engine.next_seq_id(), 4, max_tokens=10_000,
+                                       ignore_eos=True, tenant="acme"), request_id="at-stop")
+    stream = engine.generate(seq)
+    await anext(stream)
+    await asyncio.to_thread(engine.stop)  # still running: no abort was sent
+    await asyncio.sleep(0)  # the step thread's last outputs reach the event loop
+    await stream.aclose()
+    records = [r for _, r in spool.oldest(10)]
+    assert [(r.request_id, r.finish_reason, r.cancelled) for r in records] == [
+        ("at-stop", "cancelled", True)]
+    assert records[0].completion_tokens >= 1
+    spool.close()
