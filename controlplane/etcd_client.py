@@ -223,9 +223,10 @@ class EtcdClient:
         where = ", ".join(self.options.endpoints)
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return Unavailable(f"etcd at {where} is unreachable ({code.name.lower()}: {details}); "
-                               f"check that etcd runs, the endpoints are right and, for an etcd"
-                               f" that speaks TLS, that --etcd-ca (and --etcd-cert/--etcd-key"
-                               f" where it demands client certificates) are given")
+                               f"check that etcd runs, the endpoints are right (tsctl: --endpoints;"
+                               f" a service: --etcd-endpoints) and, for an etcd that speaks"
+                               f" TLS, that --etcd-ca (and --etcd-cert/--etcd-key where it"
+                               f" demands client certificates) are given")
         if "user name is empty" in details:  # auth is on and we sent no token
             return Unauthenticated(f"etcd at {where} requires a user and password (tsctl: --user and"
                                    f" ${ETCD_PASSWORD_ENV}; a service: --etcd-user and"

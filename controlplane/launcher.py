@@ -39,6 +39,8 @@ from controlplane.etcd_local import EtcdProcess, ServerTls
 from controlplane.service_process import SERVING, ServiceProcess
 from controlplane.store import ConfigStore
 from controlplane.supervision import CrashHistory, GiveUp, RestartPolicy
+from tokenserve.client import Client
+from tokenserve.client_errors import AuthenticationError, TokenserveError
 from tokenserve.runtime.errors import ServiceError
 from tokenserve.runtime.ports import free_port
 from tokenserve.runtime.service_token import METER_TOKEN_ENV
@@ -159,7 +161,29 @@ class Suite:
             finally:
                 await store.close()
 
-        return asyncio.run(issue())
+        key = asyncio.run(issue())
+        self._wait_until_accepted(key)
+        return key
+
+    def _wait_until_accepted(self, key: str, timeout: float = 10.0) -> None:
+        """The gateway learns a new key from its etcd watch, a moment after the write (longer
+        on a busy machine): the key is handed out once a call with it is no longer refused as
+        unknown, so it works when it is pasted or used at once. A gateway that is not up
+        (or any other answer) ends the wait."""
+        tls = self.tls
+        with Client(self.address("gateway"), key, timeout=2.0,
+                    tls_ca=str(tls.ca) if tls else None) as client:
+            end = time.monotonic() + timeout
+            while True:
+                try:
+                    client.list_models()
+                    return
+                except AuthenticationError:
+                    if time.monotonic() > end:
+                        return
+                    time.sleep(0.05)
+                except TokenserveError:
+                    return
 
     def _process(self, name: str) -> ServiceProcess:
         env = ({METER_TOKEN_ENV: self.meter_token}
