@@ -224,10 +224,19 @@ class HttpClient:
         return await asyncio.open_connection("127.0.0.1", self.port)
 
     async def one(self) -> tuple[float, float]:
+        pooled = bool(self.pool)
         reader, writer = await self._conn()
         t0 = time.perf_counter()
         writer.write(self.request)
         status = await reader.readline()
+        if not status and pooled:
+            # the server closed an idle keep-alive connection (uvicorn: after 5 s), as it
+            # may: a client opens a new one, and so does this one, off the clock
+            writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            t0 = time.perf_counter()
+            writer.write(self.request)
+            status = await reader.readline()
         assert b" 200 " in status, status
         while (await reader.readline()) not in (b"\r\n", b""):
             pass  # headers; uvicorn streams with chunked transfer encoding
