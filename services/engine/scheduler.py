@@ -22,6 +22,10 @@ tokens); with it the burst is prefilled in full steps and decodes as one batch.
 Policies:
 - priority: higher `priority` is scheduled, admitted and kept first; when KV blocks run
   out the lowest-priority (then youngest) running sequence is preempted and recomputed.
+  When every slot is taken and sequences wait with a higher priority than some running
+  ones, the lowest-priority (then youngest) running sequences give up their slots, one per
+  such waiting sequence (recompute preemption), so a premium request waits for one step,
+  not for a free-tier stream to finish; a sequence never displaces one of its own priority.
 - fair share: among waiting sequences of the top priority, the tenant with the fewest
   running sequences is admitted next (ties: the tenant admitted least recently), FIFO
   within a tenant, so no tenant starves another of the same priority. When every slot is
@@ -167,7 +171,8 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         chunks: list[SeqChunk] = []
-        self._free_a_fair_slot()
+        if not self._free_slots_for_priority():
+            self._free_a_fair_slot()
         # decodes first, then unfinished prefills; each by priority then age
         self.running.sort(key=lambda s: (s.num_remaining > 1, -s.priority, s.arrival))
         prompt_left = self._prompt_allowance()
@@ -308,6 +313,19 @@ class Scheduler:
         return min((s for s in self.waiting if s.priority == top),
                    key=lambda s: (running_per_tenant.get(s.tenant_id, 0),
                                   self._tenant_last_admit.get(s.tenant_id, -1), s.arrival))
+
+    def _free_slots_for_priority(self) -> bool:
+        """With every slot taken, preempts the lowest-priority (then youngest) running
+        sequences, one per waiting sequence of a higher priority; True if any was."""
+        if not self.waiting or len(self.running) < self.config.max_num_seqs:
+            return False
+        top = max(s.priority for s in self.waiting)
+        urgent = sum(1 for s in self.waiting if s.priority == top)
+        lower = sorted((s for s in self.running if s.priority < top),
+                       key=lambda s: (s.priority, -s.arrival))
+        for victim in lower[:urgent]:
+            self._preempt(victim)
+        return bool(lower)
 
     def _free_a_fair_slot(self) -> None:
         """With every slot taken, preempts the youngest sequence of the tenant furthest over

@@ -177,6 +177,41 @@ def test_higher_priority_is_admitted_first():
     assert [c.seq_id for c in batch.chunks] == [2]
 
 
+def test_higher_priority_takes_a_full_batch_slot_from_the_lowest_and_youngest():
+    sched, runner = make(max_num_seqs=3)
+    old_low = make_seq(1, priority=0, max_tokens=20, arrival=1.0)
+    young_low = make_seq(2, priority=0, max_tokens=20, arrival=2.0)
+    mid = make_seq(3, priority=1, max_tokens=20, arrival=3.0)
+    for s in (old_low, young_low, mid):
+        sched.add(s)
+    for _ in range(3):
+        step(sched, runner)
+    assert sched.num_running == 3 and young_low.output_token_ids
+    high = make_seq(4, priority=5, max_tokens=4, arrival=4.0)
+    sched.add(high)
+    batch = step(sched, runner)
+    # the new arrival computes in the very next step, in the slot of the youngest lowest
+    assert 4 in {c.seq_id for c in batch.chunks}
+    assert young_low.status is SeqStatus.WAITING and young_low.num_preemptions == 1
+    assert old_low.status is SeqStatus.RUNNING and mid.status is SeqStatus.RUNNING
+    run_all(sched, runner)
+    for s in (old_low, young_low, mid, high):  # the preempted one is recomputed exactly
+        assert s.output_token_ids == reference_output(s.prompt_token_ids, s.stop.max_tokens)
+    assert sched.blocks.num_free_blocks == 64
+
+
+def test_a_waiting_sequence_never_displaces_one_of_its_own_priority():
+    sched, runner = make(max_num_seqs=2)
+    running = [make_seq(i, priority=1, tenant=f"t{i}", max_tokens=10) for i in range(2)]
+    for s in running:
+        sched.add(s)
+    step(sched, runner)
+    late = make_seq(9, priority=1, tenant="t9", max_tokens=2)
+    sched.add(late)
+    batch = step(sched, runner)
+    assert {c.seq_id for c in batch.chunks} == {0, 1} and sched.num_preemptions == 0
+
+
 def test_no_tenant_starves_another_of_the_same_priority():
     sched, runner = make(max_num_seqs=2)
     for i in range(20):
