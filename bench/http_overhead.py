@@ -128,7 +128,9 @@ class Stack:
         async with ConfigStore([self.etcd.endpoint]) as store:
             for doc in (Tier("bench", 100_000, 1_000_000_000, 10_000_000_000, 1024, 1, 4096),
                         Tenant("bench", "Bench", "bench"),
-                        ModelSpec(DEFAULT_MODEL_NAME, {"v1": ModelVersion("builtin:x", 4096)},
+                        # the artifact `tokenserve up` seeds: the gateway tokenizes in-process
+                        ModelSpec(DEFAULT_MODEL_NAME,
+                                  {"v1": ModelVersion(f"builtin:{DEFAULT_MODEL_NAME}", 4096)},
                                   "v1"),
                         Route(DEFAULT_MODEL_NAME, {"v1": 1}), record):
                 await store.put(doc, actor="bench")
