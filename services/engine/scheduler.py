@@ -17,7 +17,9 @@ output token) back until the others are done, as long as the learned costs say t
 finishes within `burst_hold_s` of the hold starting. Without it the first prompts of a burst
 would start decoding at once, and the target above would then cut every later prompt of
 the burst into small chunks beside a few decodes (many slow steps, a long tail of first
-tokens); with it the burst is prefilled in full steps and decodes as one batch.
+tokens); with it the burst is prefilled in full steps and decodes as one batch. Only a
+tenant's own burst is held: another tenant's lone request streams at once (fairness beats
+the burst's throughput).
 
 Policies:
 - priority: higher `priority` is scheduled, admitted and kept first; when KV blocks run
@@ -176,19 +178,19 @@ class Scheduler:
         # decodes first, then unfinished prefills; each by priority then age
         self.running.sort(key=lambda s: (s.num_remaining > 1, -s.priority, s.arrival))
         prompt_left = self._prompt_allowance()
-        hold = self._burst_hold(now)
+        hold = self._burst_hold(now)  # the tenants whose prompts hold their first token
         scheduled: set[int] = set()
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if hold and _held(seq):
+            if seq.tenant_id in hold and _held(seq):
                 i += 1
                 continue
             if seq.num_remaining > 1 and prompt_left <= 0:
                 break  # the rest are prompts: they wait for a step with room
             n = min(seq.num_remaining, budget, prompt_left if seq.num_remaining > 1 else 1)
-            if hold:
+            if seq.tenant_id in hold:
                 n = _hold_back(seq, n, seq.num_remaining)
             while not self.blocks.allocate(seq, n):
                 victim = self._pick_victim(scheduled)
@@ -261,11 +263,14 @@ class Scheduler:
         fits = self.costs.prompt_tokens_within(target)
         return cap if fits is None else min(cap, max(MIN_PREFILL_CHUNK, fits))
 
-    def _burst_hold(self, now: float) -> bool:
-        """Whether prompts finishing their prefill this step hold their first token back:
-        nobody is streaming yet, the prompt tokens of the burst's top priority do not all
-        fit in this step (so nobody waits for lower-priority prompts), and the learned cost
-        says they are done within burst_hold_s of the hold starting."""
+    def _burst_hold(self, now: float) -> frozenset[str]:
+        """The tenants whose prompts finishing their prefill this step hold their first token
+        back: while nobody is streaming yet, the prompt tokens of the burst's top priority
+        do not all fit in this step (so nobody waits for lower-priority prompts), and the
+        learned cost says they are done within burst_hold_s of the hold starting, each
+        tenant with several of the burst's prompts. A tenant's lone request is no part of a
+        burst and never waits for another tenant's: it streams at once (and so ends the
+        hold; the burst's other prompts then go on in chunks beside it)."""
         cfg = self.config
         per_token = self.costs.per_prompt_token
         if cfg.burst_hold_s and per_token is not None and not any(
@@ -276,11 +281,13 @@ class Scheduler:
             since = now if self._hold_since is None else self._hold_since
             if pending > cfg.max_num_batched_tokens and now - since + pending * per_token <= cfg.burst_hold_s:
                 self._hold_since = since
-                return True
+                counts = Counter(s.tenant_id for s in burst if s.priority == top)
+                return frozenset(t for t, n in counts.items() if n > 1)
         self._hold_since = None
-        return False
+        return frozenset()
 
-    def _admit(self, chunks: list[SeqChunk], budget: int, now: float, hold: bool) -> int:
+    def _admit(self, chunks: list[SeqChunk], budget: int, now: float,
+               hold: frozenset[str]) -> int:
         """Admits waiting sequences into this step; returns the tokens they take."""
         cfg = self.config
         start = budget
@@ -289,7 +296,7 @@ class Scheduler:
             cached = self.blocks.find_cached_prefix(seq)
             left = seq.num_remaining - len(cached) * self.blocks.block_size
             n = min(left, budget)
-            if hold:
+            if seq.tenant_id in hold:
                 n = _hold_back(seq, n, left)
             # the reserve is for running sequences to grow into; an idle engine needs none
             reserve = cfg.admission_reserve_blocks if self.running else 0

@@ -379,6 +379,18 @@ def test_a_prompt_is_never_held_for_lower_priority_prompts():
     assert first_token_steps(sched, runner, [urgent, *rest])[1] == 0
 
 
+def test_another_tenants_lone_request_is_never_held_for_a_burst():
+    sched, runner = bursty(burst_hold_s=1.0)
+    flood = [make_seq(i, 20, max_tokens=6, tenant="flood") for i in range(1, 9)]
+    light = make_seq(50, 20, max_tokens=6, tenant="light", arrival=0.5)
+    first = first_token_steps(sched, runner, [*flood, light])
+    # fair share admits the light tenant first; its first token comes with its prefill
+    assert first[50] == 0
+    assert min(first[s.seq_id] for s in flood) > 0
+    for s in (*flood, light):
+        assert s.output_token_ids == reference_output(s.prompt_token_ids, 6)
+
+
 def test_a_tenant_holding_every_slot_gives_one_up_to_a_waiting_tenant():
     sched, runner = make(max_num_seqs=4)
     flood = [make_seq(i, tenant="flood", max_tokens=50) for i in range(4)]
