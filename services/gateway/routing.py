@@ -201,6 +201,8 @@ class Router:
             engines[version], f"{tenant_id}/{model}/{version}", prompt_ids))
 
     def _pick_replica(self, endpoints: list[str], scope: str, prompt_ids: Sequence[int]) -> str:
+        if len(endpoints) == 1:
+            return endpoints[0]  # nothing to weigh (and no prefix keys to hash per request)
         scores = {ep: self.score(ep) for ep in endpoints}
         best = min(endpoints, key=lambda ep: (scores[ep], ep))
         if self.affinity is None or not prompt_ids:
