@@ -183,12 +183,20 @@ class EngineClient:
 
     def __init__(self, channels: Channels):
         self._channels = channels
+        self._stubs: dict[str, tuple[grpc.aio.Channel, engine_pb2_grpc.EngineServiceStub]] = {}
+
+    def _stub(self, endpoint: str) -> engine_pb2_grpc.EngineServiceStub:
+        """The endpoint's stub, made once per channel (a stub builds a callable per method)."""
+        channel = self._channels.get(endpoint)
+        cached = self._stubs.get(endpoint)
+        if cached is None or cached[0] is not channel:
+            cached = self._stubs[endpoint] = (channel, engine_pb2_grpc.EngineServiceStub(channel))
+        return cached[1]
 
     async def generate(self, endpoint: str, req: InferenceRequest, prompt_ids: Sequence[int],
                        *, priority: int, tenant_id: str,
                        timeout: float) -> AsyncIterator[EngineChunk]:
-        stub = engine_pb2_grpc.EngineServiceStub(self._channels.get(endpoint))
-        call = stub.Generate(engine_request(req, prompt_ids, priority=priority,
+        call = self._stub(endpoint).Generate(engine_request(req, prompt_ids, priority=priority,
                                             tenant_id=tenant_id), timeout=timeout)
         first = True
         try:
