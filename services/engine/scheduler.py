@@ -341,6 +341,8 @@ class Scheduler:
             return
         top = max(s.priority for s in self.waiting)
         running = Counter(s.tenant_id for s in self.running if s.priority <= top)
+        if not running:
+            return  # every slot is a higher priority's: nothing of this priority to even out
         tenants = set(running) | {s.tenant_id for s in self.waiting if s.priority == top}
         share = self.config.max_num_seqs // len(tenants)
         if not any(s.priority == top and running[s.tenant_id] < share for s in self.waiting):

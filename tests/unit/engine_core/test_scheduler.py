@@ -200,6 +200,19 @@ def test_higher_priority_takes_a_full_batch_slot_from_the_lowest_and_youngest():
     assert sched.blocks.num_free_blocks == 64
 
 
+def test_lower_priority_waits_while_higher_priorities_hold_every_slot():
+    sched, runner = make(max_num_seqs=2)
+    for i in range(2):
+        sched.add(make_seq(i, priority=2, tenant=f"p{i}", max_tokens=4))
+    step(sched, runner)
+    low = make_seq(9, priority=0, tenant="free", max_tokens=2)
+    sched.add(low)
+    batch = step(sched, runner)
+    assert {c.seq_id for c in batch.chunks} == {0, 1} and low.status is SeqStatus.WAITING
+    run_all(sched, runner)
+    assert low.output_token_ids == reference_output(low.prompt_token_ids, 2)
+
+
 def test_a_waiting_sequence_never_displaces_one_of_its_own_priority():
     sched, runner = make(max_num_seqs=2)
     running = [make_seq(i, priority=1, tenant=f"t{i}", max_tokens=10) for i in range(2)]
