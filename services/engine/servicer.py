@@ -74,7 +74,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise ResourceExhausted(
                 f"the engine is full: {info.max_concurrency} requests running and"
                 f" {info.max_waiting} waiting (the waiting limit); retry later",
-                retry_after=1.0 + info.max_waiting / info.max_concurrency)
+                retry_after=1.0 + info.max_waiting / info.max_concurrency, limit="capacity")
         now = time.monotonic()
         remaining = context.time_remaining()
         seq = Sequence(

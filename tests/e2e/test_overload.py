@@ -53,7 +53,7 @@ BURST = {"free": 6.5, "standard": 3.0, "premium": 0.5}
 DEADLINE_S = 150.0
 RSS_GROWTH_LIMIT_MIB = 200
 LEVEL_HEADER = "x-degradation-level"
-LIMITS = {"rps", "tpm", "daily", "concurrency", "degraded"}
+LIMITS = {"rps", "tpm", "daily", "concurrency", "degraded", "capacity"}
 PROMPT = "Tell me a short story about a lighthouse keeper."
 
 

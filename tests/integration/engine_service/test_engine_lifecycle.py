@@ -67,7 +67,8 @@ async def test_full_queue_is_resource_exhausted_and_sigterm_drains_then_exits(tm
                 await stub.Generate(long).read()
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "waiting limit" in e.value.details()
-            assert int(dict(e.value.trailing_metadata())["retry-after-ms"]) > 0
+            trailing = dict(e.value.trailing_metadata())
+            assert int(trailing["retry-after-ms"]) > 0 and trailing["limit"] == "capacity"
             for call in [*running, queued]:
                 call.cancel()
             # a short stream in flight at SIGTERM still completes
