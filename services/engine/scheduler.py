@@ -36,6 +36,12 @@ Policies:
   its share gives up its youngest slot (recompute preemption), so a flooding tenant cannot
   hold every slot while another waits for its first token.
 
+Newcomers first: while sequences decode, a fresh request of a tenant with nothing running
+(and a priority no running sequence beats) gets a prompt-only step of its own when the
+decodes' step is expected to cost more than its prompt: its first token then waits for the
+step in progress and its own prompt, not for another tenant's whole batch beside it. The
+decodes wait at most one such step in a row (`_newcomer_step_due`).
+
 Speculative decoding (`speculation`): a decoding sequence may carry draft tokens guessed by
 prompt lookup (speculation.py) after its last token; the runner verifies them in the same
 step and the sequence advances by the accepted drafts plus one token. Drafts get the budget
@@ -130,6 +136,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.costs = StepCosts()
         self._hold_since: float | None = None  # when the current burst hold began
+        self._newcomer_step = False  # the last step was a prompt-only step for newcomers
 
     # -- requests in and out ------------------------------------------------------------
     @property
@@ -175,6 +182,13 @@ class Scheduler:
         chunks: list[SeqChunk] = []
         if not self._free_slots_for_priority():
             self._free_a_fair_slot()
+        due, self._newcomer_step = self._newcomer_step_due(), False
+        if due:
+            # a prompt-only step for the newcomers: the decodes wait this one short step
+            taken = self._admit(chunks, budget, now, frozenset(), newcomers_only=True)
+            if chunks:
+                self._newcomer_step = True
+                return self._batch(chunks, budget - taken)
         # decodes first, then unfinished prefills; each by priority then age
         self.running.sort(key=lambda s: (s.num_remaining > 1, -s.priority, s.arrival))
         prompt_left = self._prompt_allowance()
@@ -209,6 +223,9 @@ class Scheduler:
             # seq itself was preempted: running[i] is now the next one
         if not preempted and prompt_left > 0:
             budget -= self._admit(chunks, min(budget, prompt_left), now, hold)
+        return self._batch(chunks, budget)
+
+    def _batch(self, chunks: list[SeqChunk], budget: int) -> Batch:
         if chunks:
             self._add_drafts(chunks, budget)
         # Ended sequences reach the runner with the next batch that has work.
@@ -286,13 +303,43 @@ class Scheduler:
         self._hold_since = None
         return frozenset()
 
+    def _is_newcomer(self, seq: Sequence) -> bool:
+        """A fresh request (never run) of a tenant with nothing running, whose whole prompt
+        fits in one step and whose priority is not below any running sequence's."""
+        return (seq.num_computed_tokens == 0 and not seq.num_preemptions
+                and seq.num_remaining <= self.config.max_num_batched_tokens
+                and all(s.tenant_id != seq.tenant_id and s.priority <= seq.priority
+                        for s in self.running))
+
+    def _newcomer_step_due(self) -> bool:
+        """Whether this step computes only newcomers' prompts (`_is_newcomer`), without the
+        running decodes: a slot is free, sequences are streaming, the last step was not one
+        (decodes wait at most one such step in a row), and the decodes' step is expected to
+        take longer than the newcomers' prompt alone, so the newcomer's first token comes a
+        decode step sooner than beside them. A tenant's first request then waits for the
+        step in progress and its own prompt, not for another tenant's whole batch."""
+        if (self._newcomer_step or not self.waiting
+                or len(self.running) >= self.config.max_num_seqs
+                or not any(_streaming(s) for s in self.running)):
+            return False
+        costs = self.costs
+        if costs.decode_step is None or costs.per_prompt_token is None:
+            return False
+        nxt = self._next_waiting()
+        if not self._is_newcomer(nxt):
+            return False
+        rows = sum(1 for s in self.running if _streaming(s))
+        return costs.plain_decode(rows) > nxt.num_remaining * costs.per_prompt_token
+
     def _admit(self, chunks: list[SeqChunk], budget: int, now: float,
-               hold: frozenset[str]) -> int:
+               hold: frozenset[str], newcomers_only: bool = False) -> int:
         """Admits waiting sequences into this step; returns the tokens they take."""
         cfg = self.config
         start = budget
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self._next_waiting()
+            if newcomers_only and not self._is_newcomer(seq):
+                break
             cached = self.blocks.find_cached_prefix(seq)
             left = seq.num_remaining - len(cached) * self.blocks.block_size
             n = min(left, budget)

@@ -404,6 +404,52 @@ def test_another_tenants_lone_request_is_never_held_for_a_burst():
         assert s.output_token_ids == reference_output(s.prompt_token_ids, 6)
 
 
+def streaming_flood(n=6):
+    """bursty() with `n` sequences of tenant 'flood' decoding (1 ms per row and per prompt
+    token: a decode step of 6 rows costs 6 ms)."""
+    sched, runner = bursty(burst_hold_s=0.0)
+    flood = [make_seq(i, 4, max_tokens=60, tenant="flood") for i in range(1, n + 1)]
+    for s in flood:
+        sched.add(s)
+    while not all(s.output_token_ids for s in flood):
+        step(sched, runner)
+    for _ in range(20):  # decode-only steps: their cost is learned
+        step(sched, runner)
+    return sched, runner, flood
+
+
+def test_a_newcomer_tenants_prompt_gets_a_step_of_its_own_while_others_decode():
+    sched, runner, flood = streaming_flood()
+    light = make_seq(50, 3, max_tokens=4, tenant="light")
+    sched.add(light)
+    batch = step(sched, runner)
+    # its 3 prompt tokens (3 ms) alone, not beside the 6 decodes (6 ms): first token at once
+    assert [c.seq_id for c in batch.chunks] == [50] and light.output_token_ids
+    batch = step(sched, runner)  # then everyone decodes together
+    assert {c.seq_id for c in batch.chunks} == {50, *(s.seq_id for s in flood)}
+    run_all(sched, runner)
+    for s in (*flood, light):
+        assert s.output_token_ids == reference_output(s.prompt_token_ids, s.stop.max_tokens)
+
+
+def test_decodes_never_wait_two_newcomer_steps_in_a_row():
+    sched, runner, flood = streaming_flood()
+    decoded_at = []
+    for i in range(6):
+        sched.add(make_seq(60 + i, 3, max_tokens=2, tenant=f"new{i}"))
+        batch = step(sched, runner)
+        decoded_at.append(any(c.seq_id == flood[0].seq_id for c in batch.chunks))
+    assert decoded_at.count(False) <= 3 and all(a or b for a, b in zip(decoded_at, decoded_at[1:]))
+
+
+def test_no_newcomer_step_when_the_prompt_costs_more_than_the_decodes():
+    sched, runner, flood = streaming_flood(n=2)  # 2 ms of decodes
+    light = make_seq(50, 20, max_tokens=4, tenant="light")  # 20 ms of prompt
+    sched.add(light)
+    batch = step(sched, runner)
+    assert {s.seq_id for s in flood} <= {c.seq_id for c in batch.chunks}
+
+
 def test_a_tenant_holding_every_slot_gives_one_up_to_a_waiting_tenant():
     sched, runner = make(max_num_seqs=4)
     flood = [make_seq(i, tenant="flood", max_tokens=50) for i in range(4)]
