@@ -410,6 +410,11 @@ def usage_check(up: UpProcess, results: list[Result], engine_kill_windows) -> di
         res = statuses.get(m["request_id"])
         cut = (m["kind"] == "missing_engine" and res is not None
                and any(a <= res.ended <= b for a, b in engine_kill_windows))
+        if not cut:  # what the client saw and what the gateway billed, to tell why
+            gw = (by_id.get(m["request_id"]) or [{}])[0]
+            m = {**m, "client": asdict(res) if res is not None else None,
+                 "gateway_row": {k: gw.get(k) for k in ("status", "prompt_tokens",
+                                                        "completion_tokens", "finish_reason")}}
         (expected if cut else unexpected).append(m)
     return {
         "spools_drained_after_s": drained,

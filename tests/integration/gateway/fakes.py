@@ -38,11 +38,14 @@ def fake_token_count(req: tokenizer_pb2.EncodeRequest) -> int:
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     def __init__(self):
         self.requests: list[tokenizer_pb2.EncodeRequest] = []
+        self.delay = 0.0  # seconds each Encode takes
 
     def Encode(self, request, context):
         if request.model != MODEL:
             context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not loaded")
         self.requests.append(request)
+        if self.delay:
+            time.sleep(self.delay)
         return tokenizer_pb2.EncodeResponse(token_ids=list(range(fake_token_count(request))))
 
     def CountTokens(self, request, context):

@@ -180,6 +180,30 @@ def test_deadline_cancels_the_engine_call_and_is_metered(gateway, key, engine, m
     assert row["status"] in ("DEADLINE_EXCEEDED", "CANCELLED")
 
 
+def test_a_deadline_that_leaves_no_time_for_the_engine_is_not_sent_or_billed(
+        gateway, key, tokenizer, engine, meter_stub):
+    # tokenizing takes 200 ms of the caller's 201-209: at most a few ms are left for the
+    # engine call, less than MIN_ENGINE_CALL_S; gRPC could fail such a call before the
+    # engine's handler runs, and the gateway would bill work it cannot know was done
+    stub = gateway.stub()
+    tokenizer.servicer.delay = 0.2
+    try:
+        for ms in range(1, 10):
+            got, details = code_of(lambda: list(stub.Generate(
+                pb.GenerateRequest(prompt="a", max_tokens=4, request_id=f"no-time-{ms}"),
+                metadata=auth(key), timeout=0.2 + ms / 1000)))
+            assert got == grpc.StatusCode.DEADLINE_EXCEEDED, details
+    finally:
+        tokenizer.servicer.delay = 0.0
+    # a request with time to spare still goes through; its row comes after any of theirs
+    list(stub.Generate(pb.GenerateRequest(prompt="a", max_tokens=2, request_id="in-time"),
+                       metadata=auth(key), timeout=30))
+    assert wait_for(lambda: meter_rows(meter_stub, "in-time"))
+    sent = {r.request_id for r in engine.servicer.requests}
+    assert not any(f"no-time-{ms}" in sent for ms in range(1, 10)), sent
+    assert not any(meter_rows(meter_stub, f"no-time-{ms}") for ms in range(1, 10))
+
+
 def test_count_tokens_and_list_models(gateway, key):
     stub = gateway.stub()
     assert stub.CountTokens(pb.CountTokensRequest(prompt="a b c"), metadata=auth(key),
