@@ -196,8 +196,8 @@ class EngineClient:
     async def generate(self, endpoint: str, req: InferenceRequest, prompt_ids: Sequence[int],
                        *, priority: int, tenant_id: str,
                        timeout: float) -> AsyncIterator[EngineChunk]:
-        call = self._stub(endpoint).Generate(engine_request(req, prompt_ids, priority=priority,
-                                            tenant_id=tenant_id), timeout=timeout)
+        request = engine_request(req, prompt_ids, priority=priority, tenant_id=tenant_id)
+        call = self._stub(endpoint).Generate(request, timeout=timeout)
         first = True
         try:
             async for resp in call:
