@@ -33,6 +33,7 @@ import pytest
 from controlplane import admin
 from controlplane.launcher import SERVICES, Suite, SuitePorts
 from controlplane.store import ConfigStore
+from tests.e2e.up_process import wait_for
 from tokenserve.common.v1 import common_pb2
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.gateway.v1 import gateway_pb2 as pb
@@ -113,15 +114,6 @@ def rss_kb(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError(f"no VmRSS for pid {pid}")
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.2):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if value := predicate():
-            return value
-        time.sleep(interval)
-    return None
 
 
 def logged_errors(suite: Suite) -> list[str]:
