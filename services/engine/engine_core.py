@@ -3,6 +3,15 @@
 `EngineCore` is synchronous and single-threaded (the step thread owns it). It turns each
 step's sampled tokens into `RequestOutput`s: detokenized text (UTF-8 safe, stop strings
 held back and cut), logprobs, and on the last one usage, timings and energy.
+
+A step comes in parts, so the step loop can overlap host work with the device's (`overlap`,
+on where the runner is asynchronous: CUDA): `launch` schedules a step and submits it,
+`complete` waits for its tokens and updates the sequences, `take_outputs` turns the updated
+sequences' tokens into outputs. Overlapped, the loop launches step n, then takes step n-1's
+outputs, delivers them and takes in new requests and cancels while the device computes,
+then completes step n. A stop string found then, or a cancel, ends a sequence that step n
+already computes: its token from that step is dropped at `complete` (never streamed or
+billed), like any token after a stop string. `step()` is the parts in a row.
 """
 from __future__ import annotations
 
@@ -20,8 +29,17 @@ from tokenserve.runtime.logging import get_logger
 log = get_logger(component="engine_core")
 
 
+class PendingStep(Protocol):
+    def result(self) -> RunnerOutput: ...
+
+
 class Runner(Protocol):
+    # whether `submit` returns before the step is computed (so overlapping pays)
+    asynchronous: bool
+
     def execute(self, batch: Batch) -> RunnerOutput: ...
+
+    def submit(self, batch: Batch) -> PendingStep: ...
 
 
 class TextStream(Protocol):
@@ -103,12 +121,26 @@ class StepObserver(Protocol):
     def gauges(self, scheduler: Scheduler) -> None: ...
 
 
+@dataclass
+class _Launched:
+    """A step submitted to the runner and not yet completed."""
+
+    batch: Batch
+    pending: PendingStep
+    started: float
+    joules: float
+
+
 class EngineCore:
     def __init__(self, runner: Runner, scheduler: Scheduler, *,
                  text_stream: Callable[[Sequence], TextStream] | None = None,
                  energy: EnergySource | None = None, observer: StepObserver | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, overlap: bool = False):
         self.runner = runner
+        # the step loop overlaps host work with the device's (see the module doc)
+        self.overlap = overlap
+        self._events: list[TokenEvent] = []  # completed, not yet taken as outputs
+        self._outputs: list[RequestOutput] = []  # made by launch/complete (failed steps)
         self.scheduler = scheduler
         self._text_stream = text_stream
         self._texts: dict[int, TextStream] = {}
@@ -124,13 +156,22 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def has_outputs(self) -> bool:
+        """Outputs wait for `take_outputs` (the last step's tokens, overlapped)."""
+        return bool(self._events or self._outputs)
+
     def abort(self, seq_id: int, reason: FinishReason = FinishReason.CANCELLED) -> RequestOutput | None:
         """Ends a request now (cancel, deadline); its blocks are free before the next step."""
         seq = self.scheduler.get(seq_id)
         if seq is None:
             return None
         self.scheduler.finish(seq, reason, self.clock())
-        out = self._final(seq, RequestOutput(seq.seq_id, seq.request_id))
+        # tokens it gained in a step whose outputs are not taken yet go out with its end
+        event = next((ev for ev in self._events if ev.seq is seq), None)
+        if event is not None:
+            self._events.remove(event)
+        out = (self._emit(event) if event is not None else None) or self._final(
+            seq, RequestOutput(seq.seq_id, seq.request_id))
         if self.observer:
             self.observer.gauges(self.scheduler)
         return out
@@ -140,34 +181,65 @@ class EngineCore:
         return [o for q in (*s.running, *s.waiting) if (o := self.abort(q.seq_id, reason))]
 
     def step(self) -> list[RequestOutput]:
+        """One whole step: expired requests end, then launch, complete and take outputs."""
+        outputs = self.expire()
+        launched = self.launch()
+        if launched is not None:
+            self.complete(launched)
+        return outputs + self.take_outputs()
+
+    def expire(self) -> list[RequestOutput]:
+        """Ends requests past their deadline."""
+        return [o for s in self._expired(self.clock()) if (o := self.abort(s.seq_id)) is not None]
+
+    def launch(self) -> _Launched | None:
+        """Schedules a step and submits it to the runner (None: nothing to compute, or the
+        runner refused the step: its requests then end with ERROR, see take_outputs)."""
         now = self.clock()
-        outputs = [o for s in self._expired(now)
-                   if (o := self.abort(s.seq_id)) is not None]
         batch = self.scheduler.schedule(now)
         if not batch.chunks:
-            return outputs
-        j0 = self.energy.read_joules() if self.energy else 0.0
+            return None
+        joules = self.energy.read_joules() if self.energy else 0.0
         try:
-            result = self.runner.execute(batch)
+            return _Launched(batch, self.runner.submit(batch), now, joules)
         except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine
-            # Its requests end with ERROR rather than retrying the same failure forever.
-            log.error("step_failed", exc_type=type(e).__name__, error=str(e)[:200],
-                      seqs=len(batch.chunks), tokens=batch.num_tokens)
-            for c in batch.chunks:
-                if (o := self.abort(c.seq_id, FinishReason.ERROR)) is not None:
-                    outputs.append(o)
-            return outputs
+            self._failed(batch, e)
+            return None
+
+    def complete(self, launched: _Launched) -> None:
+        """Waits for a launched step's tokens and applies them to the sequences; requests
+        that ended since it was launched are left as they are."""
+        batch = launched.batch
+        try:
+            result = launched.pending.result()
+        except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine
+            self._failed(batch, e)
+            return
         end = self.clock()
         events = self.scheduler.update(batch, result, end)
         if self.energy:
-            self._attribute_energy(events, self.energy.read_joules() - j0)
+            self._attribute_energy(events, self.energy.read_joules() - launched.joules)
         if self.observer:
-            self.observer.on_step(self, events, end - now)
+            self.observer.on_step(self, events, end - launched.started)
+        self._events.extend(events)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """The completed steps' tokens as outputs (text, stop strings, final stats)."""
+        outputs, self._outputs = self._outputs, []
+        events, self._events = self._events, []
         for ev in events:
             out = self._emit(ev)
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _failed(self, batch: Batch, e: Exception) -> None:
+        # Its requests end with ERROR rather than retrying the same failure forever.
+        log.error("step_failed", exc_type=type(e).__name__, error=str(e)[:200],
+                  seqs=len(batch.chunks), tokens=batch.num_tokens)
+        for c in batch.chunks:
+            if (o := self.abort(c.seq_id, FinishReason.ERROR)) is not None:
+                self._outputs.append(o)
 
     def _expired(self, now: float) -> list[Sequence]:
         s = self.scheduler

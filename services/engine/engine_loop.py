@@ -7,7 +7,8 @@ outputs come back with one `loop.call_soon_threadsafe` into per-request asyncio 
 When idle the thread sleeps on the event (no polling). Woken from idle, it lets a burst
 arrive first: it starts the first step once no request has come in for GATHER_QUIET_S
 (at most GATHER_MAX_S after the first), so requests sent together are scheduled together
-(a lone request waits GATHER_QUIET_S).
+(a lone request waits GATHER_QUIET_S). Where the runner is asynchronous (CUDA), each step
+overlaps the host's work with the device's (`_overlapped_step`; engine_core's module doc).
 """
 from __future__ import annotations
 
@@ -90,18 +91,16 @@ class EngineLoop:
         self.ready.set()
         core = self.core
         while not self._stop:
-            if not core.has_work() and self._inbox.empty():
+            if not core.has_work() and not core.has_outputs() and self._inbox.empty():
                 self._wake.wait()
                 self._gather()
             # cleared before draining: a submit after the drain sets it again
             self._wake.clear()
-            outputs = self._drain(core)
             try:
-                if core.has_work():
-                    outputs.extend(core.step())
+                outputs = self._overlapped_step(core) if core.overlap else self._step(core)
             except Exception as e:  # noqa: BLE001 - a core bug must not hang every stream
                 log.error("step_loop_error", exc_type=type(e).__name__, error=str(e)[:500])
-                outputs.extend(core.abort_all(FinishReason.ERROR))
+                outputs = core.take_outputs() + core.abort_all(FinishReason.ERROR)
             self._publish()
             if outputs:
                 self._deliver(outputs)
@@ -111,6 +110,26 @@ class EngineLoop:
         self._publish()
         if outputs:
             self._deliver(outputs)
+
+    def _step(self, core: EngineCore) -> list[RequestOutput]:
+        outputs = self._drain(core)
+        if core.has_work():
+            outputs.extend(core.step())
+        return outputs
+
+    def _overlapped_step(self, core: EngineCore) -> list[RequestOutput]:
+        """Launches step n; while the device computes it, the host emits step n-1's tokens,
+        delivers them and takes in new requests and cancels; then completes step n (its
+        tokens go out after step n+1 is launched)."""
+        launched = core.launch() if core.has_work() else None
+        outputs = core.take_outputs() + self._drain(core) + core.expire()
+        if launched is None:
+            return outputs
+        self._publish()
+        if outputs:
+            self._deliver(outputs)
+        core.complete(launched)
+        return []
 
     def _gather(self) -> None:
         deadline = time.monotonic() + GATHER_MAX_S

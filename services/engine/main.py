@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                         " (same as --quantization none --dtype float32); slower")
     p.add_argument("--eager", action="store_true",
                    help="CUDA: run every step op by op instead of replaying decode steps from"
-                        " CUDA graphs (debugging); no effect on the CPU")
+                        " CUDA graphs, and each step after the last one's tokens went out"
+                        " (no host/device overlap); for debugging; no effect on the CPU")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (default: all cores available)")
     p.add_argument("--max-concurrency", type=int, default=64)
@@ -181,7 +182,8 @@ def build_core(config: EngineConfig, window: LoadWindow | None = None) -> Engine
     energy = engine_energy_source(config)
     log.info("energy_source", source=energy.name, estimated=energy.estimated)
     return EngineCore(runner, scheduler, text_stream=text_stream_factory(tokenizer),
-                      energy=energy, observer=EngineMetrics(window))
+                      energy=energy, observer=EngineMetrics(window),
+                      overlap=runner.asynchronous and not config.eager)
 
 
 def engine_energy_source(config: EngineConfig):

@@ -25,7 +25,7 @@ from services.engine.interface import Batch, RunnerOutput, SeqChunk
 from services.engine.loader import LoadedWeights, ModelLoadError, load_weights
 from services.engine.model import LlamaModel
 from services.engine.quant import QUANTIZATIONS, prefill_in_bfloat16
-from services.engine.sampler import Sampler
+from services.engine.sampler import PendingTokens, Sampler
 from tokenserve.runtime.logging import get_logger
 
 log = get_logger(component="engine.runner")
@@ -41,7 +41,9 @@ class ModelRunner:
     """Loads the model once and runs steps.
 
     Attributes the engine core reads: block_size, num_blocks, max_context, vocab_size,
-    eos_token_ids, device, dtype, quantization, model_name, load_seconds.
+    eos_token_ids, device, dtype, quantization, model_name, load_seconds, asynchronous
+    (True on CUDA: `submit` returns while the device still works, so the step loop can
+    overlap its host work with the step; on the CPU the step is computed inside `submit`).
     Raises ModelLoadError (path + reason) when the model cannot be served.
     quantization: "none" (the default here: dense weights in dtype; float32 is the bit-faithful
     exact mode), "auto" (the service's default: the GGUF file's own blocks, int8 for the rest;
@@ -107,6 +109,7 @@ class ModelRunner:
         del loaded
 
         self.device, self.dtype, self.quantization = device, dtype, quantization
+        self.asynchronous = on_cuda
         self.kv_cache_dtype = kv_cache_dtype
         self.block_size = block_size
         self.vocab_size = c.vocab_size
@@ -152,7 +155,6 @@ class ModelRunner:
             kv_bytes = min(kv_bytes, max_num_seqs * max_pos // self.block_size * per_block)
         return kv_bytes // per_block
 
-    @torch.inference_mode()
     def execute(self, batch: Batch) -> RunnerOutput:
         """Compute KV for every chunk; sample one token for each chunk with sample=True.
 
@@ -161,10 +163,16 @@ class ModelRunner:
         while they equal what was sampled). Returns RunnerOutput.sampled (and .accepted)
         keyed by seq_id.
         """
+        return self.submit(batch).result()
+
+    @torch.inference_mode()
+    def submit(self, batch: Batch) -> "PendingStep":
+        """`execute` in two halves: queues the step's device work and returns at once (on
+        CUDA, before the device is done; `asynchronous`); `result()` waits for it."""
         t0 = time.perf_counter()
         self.sampler.forget(batch.finished_seq_ids)
         if not batch.chunks:
-            return RunnerOutput(sampled={}, seconds=0.0)
+            return PendingStep(self.sampler, [], None, {}, t0)
         # prefills first, then decodes (attention handles each group its own way)
         chunks = sorted(batch.chunks, key=_is_decode)
         ids: list[int] = []
@@ -192,34 +200,12 @@ class ModelRunner:
             logits = self.model.forward(to_device(ids, torch.long, dev),
                                         to_device(positions, torch.long, dev),
                                         meta, self.kv, to_device(rows, torch.long, dev))
-        out = RunnerOutput(sampled={})
-        if sample_chunks:
-            checkpoints = {c.seq_id: self.sampler.checkpoint(c.seq_id, c.sampling)
-                           for c in chunks if c.num_draft_tokens}
-            tokens = self.sampler.sample(logits, sample_chunks)
-            i = 0
-            for c in chunks:
-                if not c.sample:
-                    continue
-                k = c.num_draft_tokens
-                row = tokens[i:i + k + 1]
-                i += k + 1
-                # A draft is a point guess: keeping it while it equals the token sampled at
-                # its position, and otherwise that sample, is rejection sampling (accept with
-                # p(draft); on rejection the sample is distributed as p without the draft).
-                n = 0
-                for d, t in zip(c.draft_token_ids, row):
-                    if d != t.token_id:
-                        break
-                    n += 1
-                out.sampled[c.seq_id] = row[n]
-                if k:
-                    out.accepted[c.seq_id] = row[:n]
-                    if checkpoints[c.seq_id] is not None:
-                        # one draw per token kept, as plain decoding would have made
-                        self.sampler.rewind(c.seq_id, checkpoints[c.seq_id], n + 1)
-        out.seconds = time.perf_counter() - t0
-        return out
+        if not sample_chunks:
+            return PendingStep(self.sampler, chunks, None, {}, t0)
+        checkpoints = {c.seq_id: self.sampler.checkpoint(c.seq_id, c.sampling)
+                       for c in chunks if c.num_draft_tokens}
+        return PendingStep(self.sampler, chunks, self.sampler.sample_async(logits, sample_chunks),
+                           checkpoints, t0)
 
     def _check(self, c: SeqChunk) -> None:
         """Scheduler bugs surface here as ValueError rather than as silent cache corruption."""
@@ -236,6 +222,44 @@ class ModelRunner:
             raise ValueError(f"seq {c.seq_id}: block id out of range [0, {self.num_blocks})")
         if any(t < 0 or t >= self.vocab_size for t in c.token_ids):
             raise ValueError(f"seq {c.seq_id}: token id out of range [0, {self.vocab_size})")
+
+
+class PendingStep:
+    """A submitted step (ModelRunner.submit): `result()` waits for its tokens once and keeps
+    each speculative chunk's drafts while they equal what was sampled."""
+
+    def __init__(self, sampler: Sampler, chunks: list[SeqChunk], tokens: PendingTokens | None,
+                 checkpoints: dict, started: float):
+        self._sampler, self._chunks, self._tokens = sampler, chunks, tokens
+        self._checkpoints, self._started = checkpoints, started
+
+    def result(self) -> RunnerOutput:
+        out = RunnerOutput(sampled={})
+        if self._tokens is not None:
+            tokens = self._tokens.wait()
+            i = 0
+            for c in self._chunks:
+                if not c.sample:
+                    continue
+                k = c.num_draft_tokens
+                row = tokens[i:i + k + 1]
+                i += k + 1
+                # A draft is a point guess: keeping it while it equals the token sampled at
+                # its position, and otherwise that sample, is rejection sampling (accept with
+                # p(draft); on rejection the sample is distributed as p without the draft).
+                n = 0
+                for d, t in zip(c.draft_token_ids, row):
+                    if d != t.token_id:
+                        break
+                    n += 1
+                out.sampled[c.seq_id] = row[n]
+                if k:
+                    out.accepted[c.seq_id] = row[:n]
+                    if self._checkpoints[c.seq_id] is not None:
+                        # one draw per token kept, as plain decoding would have made
+                        self._sampler.rewind(c.seq_id, self._checkpoints[c.seq_id], n + 1)
+        out.seconds = time.perf_counter() - self._started
+        return out
 
 
 def _is_decode(c: SeqChunk) -> bool:

@@ -13,14 +13,15 @@ also gives the same tokens with or without drafts.
 On CUDA everything above runs on the device; only the uniforms are drawn on the host, from
 the same generators (so seeded requests and speculation's rewind behave exactly as on the
 CPU), and copied without a wait. Every host -> device copy goes through device.to_device
-and the results come back in one device.to_host: one host synchronisation per step.
+and the results come back in one device.HostCopy: one host synchronisation per step, which
+`sample_async` leaves to its caller (the runner waits for it after the host's other work).
 """
 from __future__ import annotations
 
 import torch
 
 from services.engine import cpu_kernels
-from services.engine.device import to_device, to_host
+from services.engine.device import HostCopy, to_device
 from services.engine.interface import SampledToken, SamplingParams, SeqChunk, TopLogprob
 
 
@@ -70,6 +71,11 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, chunks: list[SeqChunk]) -> list[SampledToken]:
         """logits: float32 [S, V], row i belongs to chunks[i]. Returns one token per row."""
+        return self.sample_async(logits, chunks).wait()
+
+    def sample_async(self, logits: torch.Tensor, chunks: list[SeqChunk]) -> "PendingTokens":
+        """`sample` with the wait for the device left to the caller: every draw is made
+        (the generators have moved on) and the results are on their way to the host."""
         params = [c.sampling for c in chunks]
         logits = apply_penalties(logits, chunks)
         want_lp = any(p.logprobs for p in params)
@@ -85,7 +91,6 @@ class Sampler:
             token_ids[at] = sample_rows(logits[at], [params[i] for i in rows],
                                         to_device(u, torch.float32, dev))
 
-        out: list[SampledToken] = []
         top_n = max((p.top_logprobs for p in params if p.logprobs), default=0)
         top = torch.topk(logprobs, top_n, dim=-1) if want_lp and top_n > 0 else None
         wanted = [token_ids]
@@ -93,15 +98,27 @@ class Sampler:
             wanted.append(logprobs.gather(1, token_ids[:, None]).squeeze(1))
         if top is not None:
             wanted += [top.values, top.indices]
-        host = to_host(wanted)  # the step's one synchronisation on CUDA
+        return PendingTokens(HostCopy(wanted), params, want_lp, top is not None)
+
+
+class PendingTokens:
+    """A step's sampled tokens on their way to the host."""
+
+    def __init__(self, copy: HostCopy, params: list[SamplingParams], want_lp: bool, top: bool):
+        self._copy, self._params, self._want_lp, self._top = copy, params, want_lp, top
+
+    def wait(self) -> list[SampledToken]:
+        """One token per row, once the device has produced them (the step's one wait)."""
+        host = self._copy.wait()
         ids = host[0]
-        chosen = host[1] if want_lp else None
-        for i, (tid, p) in enumerate(zip(ids, params)):
+        chosen = host[1] if self._want_lp else None
+        out: list[SampledToken] = []
+        for i, (tid, p) in enumerate(zip(ids, self._params)):
             if not p.logprobs:
                 out.append(SampledToken(tid))
                 continue
             alts: tuple[TopLogprob, ...] = ()
-            if top is not None and p.top_logprobs > 0:
+            if self._top and p.top_logprobs > 0:
                 vals = host[2][i][:p.top_logprobs]
                 idx = host[3][i][:p.top_logprobs]
                 alts = tuple(TopLogprob(t, v) for t, v in zip(idx, vals))

@@ -21,7 +21,7 @@ def test_gpu_suite_smoke_writes_every_section(tmp_path):
     res = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert (tmp_path / "gpu_suite.png").stat().st_size > 10_000
     assert res["smoke"] and res["device"] == "cpu" and res["machine"]["cpu_flags"]
-    for name in ("correctness", "decode", "gateway"):
+    for name in ("correctness", "decode", "step_loop", "gateway"):
         assert isinstance(res[name], dict) and "error" not in res[name], res[name]
 
     c = res["correctness"]
@@ -35,6 +35,9 @@ def test_gpu_suite_smoke_writes_every_section(tmp_path):
         assert row["tokenserve"]["joules"] > 0  # RAPL, or the estimate (flagged)
     assert res["decode"]["energy_source"] in ("rapl", "estimated")
     assert tiny["roofline_b1_tok_s"] > 0 and tiny["batches"]["1"]["roofline_fraction"] > 0
+
+    loop = res["step_loop"]  # the overlapped order runs on the CPU too (no gain expected)
+    assert loop["outputs_equal"] and loop["plain"]["tok_s"] > 0 and loop["overlapped"]["tok_s"] > 0
 
     g = res["gateway"]
     assert g["errors"] == 0 and g["tokens"] > 0 and g["requests"] >= g["streams"]

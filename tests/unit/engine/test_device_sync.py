@@ -2,7 +2,7 @@
 
 On CUDA a host wait hides in `.tolist()`, `.item()`, `bool(tensor)`, `.cpu()`, a boolean-mask
 index, or a copy from pageable memory; the code moves data only through
-services.engine.device (to_device: pinned, asynchronous; to_host: one wait). These tests run
+services.engine.device (to_device: pinned, asynchronous; HostCopy / to_host: one wait). These tests run
 the same code on CPU tensors with every implicit transfer counted, and check the math of the
 device path against a row-by-row reference."""
 from __future__ import annotations
@@ -23,8 +23,9 @@ _IMPLICIT = ("tolist", "item", "__bool__", "cpu", "numpy", "nonzero")
 
 @contextlib.contextmanager
 def counting(monkeypatch):
-    """Counts to_host calls and tensor -> host conversions made outside them."""
-    counts = {"to_host": 0, "implicit": []}
+    """Counts host waits (device.HostCopy.wait, which to_host is too) and tensor -> host
+    conversions made outside them."""
+    counts = {"waits": 0, "implicit": []}
     inside = [False]
 
     def wrap(name, original):
@@ -36,17 +37,17 @@ def counting(monkeypatch):
 
     for name in _IMPLICIT:
         monkeypatch.setattr(torch.Tensor, name, wrap(name, getattr(torch.Tensor, name)))
-    real = device.to_host
+    real = device.HostCopy.wait
 
-    def to_host(tensors):
-        counts["to_host"] += 1
+    def wait(self):
+        counts["waits"] += 1
         inside[0] = True
         try:
-            return real(tensors)
+            return real(self)
         finally:
             inside[0] = False
 
-    monkeypatch.setattr(sampler_mod, "to_host", to_host)
+    monkeypatch.setattr(device.HostCopy, "wait", wait)
     yield counts
 
 
@@ -66,7 +67,7 @@ def test_sampling_a_mixed_batch_reads_the_device_once(monkeypatch):
     chunks = [chunk(i, output=[5, 5, 7], **p) for i, p in enumerate(MIXED)]
     with counting(monkeypatch) as counts:
         out = Sampler(seed=1).sample(logits, chunks)
-    assert counts["to_host"] == 1 and counts["implicit"] == []
+    assert counts["waits"] == 1 and counts["implicit"] == []
     assert len(out) == len(MIXED) and len(out[4].top) == 3 and out[5].logprob is not None
 
 
@@ -117,6 +118,24 @@ def test_a_runner_step_reads_the_device_once(tiny_runner, monkeypatch):
                                SeqChunk(1, [7], 3, [0], True, g),
                                SeqChunk(2, [9], 2, [1], True, SamplingParams(temperature=0.7))]))
     assert set(out.sampled) == {1, 2, 3}
-    assert counts["to_host"] == 1 and counts["implicit"] == []
+    assert counts["waits"] == 1 and counts["implicit"] == []
     assert calls and all(d in (None, "cpu") or str(d) == "cpu" for d in calls)
     r.execute(Batch([], finished_seq_ids=[1, 2, 3]))
+
+
+def test_submit_queues_a_step_without_waiting_and_result_waits_once(tiny_runner, monkeypatch):
+    """The overlapped step loop works on the host between submit and result: submit must
+    not wait for the device (a speculative chunk included: its rewind happens in result)."""
+    r = tiny_runner
+    g = SamplingParams()
+    r.execute(Batch([SeqChunk(4, [3, 4, 5, 6], 0, [4], True, g)]))
+    with counting(monkeypatch) as counts:
+        pending = r.submit(Batch([SeqChunk(4, [6, 2, 2], 3, [4, 5], True,
+                                           SamplingParams(temperature=0.9, seed=3),
+                                           num_draft_tokens=2),
+                                  SeqChunk(5, [8, 9], 0, [6], True, g)]))
+        assert counts["waits"] == 0 and counts["implicit"] == []
+        out = pending.result()
+    assert counts["waits"] == 1 and counts["implicit"] == []
+    assert set(out.sampled) == {4, 5} and 4 in out.accepted
+    r.execute(Batch([], finished_seq_ids=[4, 5]))

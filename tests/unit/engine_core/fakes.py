@@ -21,7 +21,21 @@ class KVMismatch(AssertionError):
     pass
 
 
+class Done:
+    """A submitted step whose result is already known (what a CPU runner's submit gives)."""
+
+    def __init__(self, output: RunnerOutput):
+        self.output = output
+
+    def result(self) -> RunnerOutput:
+        return self.output
+
+
 class FakeRunner:
+    # the step is computed inside submit, as on the CPU; EngineCore(overlap=True) still runs
+    # the overlapped order against it
+    asynchronous = False
+
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -34,6 +48,9 @@ class FakeRunner:
         # the step time it reports: (decode rows, prompt tokens) -> seconds
         self.cost = lambda decode_rows, prompt_tokens: 0.001
         self.model = next_token
+
+    def submit(self, batch: Batch) -> Done:
+        return Done(self.execute(batch))
 
     def execute(self, batch: Batch) -> RunnerOutput:
         if self.fail_next:
