@@ -39,7 +39,18 @@ class Runner(Protocol):
 
     def execute(self, batch: Batch) -> RunnerOutput: ...
 
-    def submit(self, batch: Batch) -> PendingStep: ...
+    def submit(self, batch: Batch,
+               between_layers: Callable[[int, int], None] | None = None) -> PendingStep: ...
+
+
+class Interjections(Protocol):
+    """The step loop's side of interjected steps (EngineCore.interjections)."""
+
+    def take_new(self) -> bool:
+        """Adds requests that arrived (EngineCore.add); whether there were any."""
+
+    def deliver_now(self, outputs: list["RequestOutput"]) -> None:
+        """Sends outputs to their streams before the step in progress ends."""
 
 
 class TextStream(Protocol):
@@ -141,6 +152,11 @@ class EngineCore:
         self.overlap = overlap
         self._events: list[TokenEvent] = []  # completed, not yet taken as outputs
         self._outputs: list[RequestOutput] = []  # made by launch/complete (failed steps)
+        # Set by the step loop (plain order): a newcomer that arrives during a step on the
+        # CPU gets its prompt computed between two of the step's layers (`_between_layers`).
+        self.interjections: Interjections | None = None
+        self._launched_at = 0.0
+        self._interjected_s = self._interjected_j = 0.0  # spent inside the step in progress
         self.scheduler = scheduler
         self._text_stream = text_stream
         self._texts: dict[int, TextStream] = {}
@@ -200,8 +216,10 @@ class EngineCore:
         if not batch.chunks:
             return None
         joules = self.energy.read_joules() if self.energy else 0.0
+        self._launched_at, self._interjected_s, self._interjected_j = now, 0.0, 0.0
+        hook = self._between_layers if self.interjections is not None else None
         try:
-            return _Launched(batch, self.runner.submit(batch), now, joules)
+            return _Launched(batch, self.runner.submit(batch, hook), now, joules)
         except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine
             self._failed(batch, e)
             return None
@@ -218,10 +236,41 @@ class EngineCore:
         end = self.clock()
         events = self.scheduler.update(batch, result, end)
         if self.energy:
-            self._attribute_energy(events, self.energy.read_joules() - launched.joules)
+            self._attribute_energy(events, self.energy.read_joules() - launched.joules
+                                   - self._interjected_j)
         if self.observer:
-            self.observer.on_step(self, events, end - launched.started)
+            self.observer.on_step(self, events, end - launched.started - self._interjected_s)
         self._events.extend(events)
+
+    def _between_layers(self, done: int, total: int) -> None:
+        """Called by the runner between two layers of the step in progress: requests that
+        arrived meanwhile come in, and a newcomer's prompt that is due (scheduler's
+        `schedule_interjection`: the rest of this step would take longer) is computed now,
+        in a step of its own, and its first token streamed before this step ends."""
+        if not self.interjections.take_new():
+            return
+        left = (self.clock() - self._launched_at) * (total - done) / done
+        batch = self.scheduler.schedule_interjection(self.clock(), left)
+        if not batch.chunks:
+            return
+        start = self.clock()
+        j0 = self.energy.read_joules() if self.energy else 0.0
+        try:
+            result = self.runner.execute(batch)
+        except Exception as e:  # noqa: BLE001 - its requests end; the step in progress goes on
+            self._failed(batch, e)
+            return
+        end = self.clock()
+        events = self.scheduler.update(batch, result, end)
+        joules = self.energy.read_joules() - j0 if self.energy else 0.0
+        self._attribute_energy(events, joules)
+        if self.observer:
+            self.observer.on_step(self, events, end - start)
+        self._interjected_s += end - start
+        self._interjected_j += joules
+        outputs = [o for ev in events if (o := self._emit(ev)) is not None]
+        if outputs:
+            self.interjections.deliver_now(outputs)
 
     def take_outputs(self) -> list[RequestOutput]:
         """The completed steps' tokens as outputs (text, stop strings, final stats)."""

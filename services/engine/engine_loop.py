@@ -49,6 +49,7 @@ class EngineLoop:
         self._build = build
         self._deliver = deliver
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._held: list[tuple] = []  # cancels taken in during a step, applied after it
         self._wake = threading.Event()
         self._stop = False
         self.ready = threading.Event()
@@ -90,6 +91,8 @@ class EngineLoop:
         self._publish()
         self.ready.set()
         core = self.core
+        if not core.overlap:
+            core.interjections = self  # newcomers between a step's layers (the CPU)
         while not self._stop:
             if not core.has_work() and not core.has_outputs() and self._inbox.empty():
                 self._wake.wait()
@@ -141,6 +144,10 @@ class EngineLoop:
 
     def _drain(self, core: EngineCore) -> list[RequestOutput]:
         outputs = []
+        held, self._held = self._held, []
+        for cmd in held:
+            if (out := core.abort(cmd[1], cmd[2])) is not None:
+                outputs.append(out)
         while True:
             try:
                 cmd = self._inbox.get_nowait()
@@ -150,6 +157,26 @@ class EngineLoop:
                 core.add(cmd[1])
             elif (out := core.abort(cmd[1], cmd[2])) is not None:
                 outputs.append(out)
+
+    # -- EngineCore.interjections: called between the layers of a step --------------------
+    def take_new(self) -> bool:
+        """Takes in the requests that arrived; cancels wait for the step's end (the step in
+        progress still writes its sequences' blocks)."""
+        added = False
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return added
+            if cmd[0] == "add":
+                self.core.add(cmd[1])
+                added = True
+            else:
+                self._held.append(cmd)
+
+    def deliver_now(self, outputs: list[RequestOutput]) -> None:
+        self._publish()
+        self._deliver(outputs)
 
     def _publish(self) -> None:
         s, b = self.core.scheduler, self.core.scheduler.blocks

@@ -8,6 +8,7 @@ decodes reads each weight once.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,9 +76,12 @@ class LlamaModel:
         self.rope_sin = sin.to(device=device, dtype=dtype)  # [max_position, D], first half negated
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv: KVCache, logit_rows: torch.Tensor) -> torch.Tensor:
+                kv: KVCache, logit_rows: torch.Tensor,
+                between_layers: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; logit_rows: [S] rows whose next-token logits are wanted.
-        Returns float32 logits [S, V]."""
+        Returns float32 logits [S, V]. between_layers(done, num_layers) is called after each
+        layer but the last (the engine may run another, whole forward there: this one's state
+        is its locals and its own KV slots)."""
         c = self.config
         t = input_ids.shape[0]
         nq = c.num_heads + c.num_kv_heads  # heads that get RoPE
@@ -100,6 +104,8 @@ class LlamaModel:
             mlp = layer.down(self._silu_mul(layer.gate_up(h, p)), p)
             if i + 1 < len(self.layers):
                 h = self._norm(x, mlp, self.layers[i + 1].attn_norm)
+                if between_layers is not None:
+                    between_layers(i + 1, len(self.layers))
             else:
                 x.add_(mlp)
         x = self._norm(x[logit_rows].contiguous(), None, self.norm)

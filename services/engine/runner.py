@@ -166,10 +166,22 @@ class ModelRunner:
         return self.submit(batch).result()
 
     @torch.inference_mode()
-    def submit(self, batch: Batch) -> "PendingStep":
+    def submit(self, batch: Batch,
+               between_layers: Callable[[int, int], None] | None = None) -> "PendingStep":
         """`execute` in two halves: queues the step's device work and returns at once (on
-        CUDA, before the device is done; `asynchronous`); `result()` waits for it."""
+        CUDA, before the device is done; `asynchronous`); `result()` waits for it.
+        between_layers(done, num_layers): on the CPU, called between the model's layers
+        (the engine may compute another step there); the step's reported seconds leave out
+        the time spent in it."""
         t0 = time.perf_counter()
+        inside = [0.0]  # seconds spent in between_layers
+
+        def timed(done: int, total: int) -> None:
+            t = time.perf_counter()
+            between_layers(done, total)
+            inside[0] += time.perf_counter() - t
+
+        hook = timed if between_layers is not None and not self.asynchronous else None
         self.sampler.forget(batch.finished_seq_ids)
         if not batch.chunks:
             return PendingStep(self.sampler, [], None, {}, t0)
@@ -199,7 +211,8 @@ class ModelRunner:
             meta = build_metadata(spans, self.block_size, dev)
             logits = self.model.forward(to_device(ids, torch.long, dev),
                                         to_device(positions, torch.long, dev),
-                                        meta, self.kv, to_device(rows, torch.long, dev))
+                                        meta, self.kv, to_device(rows, torch.long, dev), hook)
+        t0 += inside[0]
         if not sample_chunks:
             return PendingStep(self.sampler, chunks, None, {}, t0)
         checkpoints = {c.seq_id: self.sampler.checkpoint(c.seq_id, c.sampling)

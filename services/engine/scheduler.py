@@ -40,7 +40,10 @@ Newcomers first: while sequences decode, a fresh request of a tenant with nothin
 (and a priority no running sequence beats) gets a prompt-only step of its own when the
 decodes' step is expected to cost more than its prompt: its first token then waits for the
 step in progress and its own prompt, not for another tenant's whole batch beside it. The
-decodes wait at most one such step in a row (`_newcomer_step_due`).
+decodes wait at most one such step in a row (`_newcomer_step_due`). A newcomer that
+arrives while a step runs on the CPU need not wait for it: between two of the step's layers
+the engine computes the newcomer's prompt in a step of its own (`schedule_interjection`),
+streams its first token, then finishes the step in progress.
 
 Speculative decoding (`speculation`): a decoding sequence may carry draft tokens guessed by
 prompt lookup (speculation.py) after its last token; the runner verifies them in the same
@@ -310,6 +313,25 @@ class Scheduler:
                 and seq.num_remaining <= self.config.max_num_batched_tokens
                 and all(s.tenant_id != seq.tenant_id and s.priority <= seq.priority
                         for s in self.running))
+
+    def schedule_interjection(self, now: float, step_left_s: float) -> Batch:
+        """A prompt-only step for newcomers (`_is_newcomer`) to compute between the layers of
+        the step in progress, whose batch keeps its rows and blocks: when a slot is free, the
+        next waiting sequence is a newcomer, and the rest of the step in progress is expected
+        to take longer than its prompt (so its first token comes sooner than after that step
+        and beside the next). Never preempts, drafts nothing; empty when not due."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return Batch(chunks=[])
+        per_token = self.costs.per_prompt_token
+        nxt = self._next_waiting()
+        if (per_token is None or not self._is_newcomer(nxt)
+                or step_left_s <= nxt.num_remaining * per_token):
+            return Batch(chunks=[])
+        chunks: list[SeqChunk] = []
+        self._admit(chunks, self.config.max_num_batched_tokens, now, frozenset(),
+                    newcomers_only=True)
+        # ended sequences' ids wait for the next regular batch
+        return Batch(chunks=chunks)
 
     def _newcomer_step_due(self) -> bool:
         """Whether this step computes only newcomers' prompts (`_is_newcomer`), without the

@@ -48,8 +48,12 @@ class FakeRunner:
         # the step time it reports: (decode rows, prompt tokens) -> seconds
         self.cost = lambda decode_rows, prompt_tokens: 0.001
         self.model = next_token
+        self.layers = 4
 
-    def submit(self, batch: Batch) -> Done:
+    def submit(self, batch: Batch, between_layers=None) -> Done:
+        if between_layers is not None:  # a model of `layers` layers, computed at the end
+            for done in range(1, self.layers):
+                between_layers(done, self.layers)
         return Done(self.execute(batch))
 
     def execute(self, batch: Batch) -> RunnerOutput:

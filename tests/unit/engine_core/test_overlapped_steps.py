@@ -172,10 +172,10 @@ def test_the_step_thread_launches_the_next_step_before_delivering_the_last_ones_
     core, runner = make_core(overlap=True)
     submit = runner.submit
 
-    def recording_submit(batch):
+    def recording_submit(batch, between_layers=None):
         with lock:
             order.append(("launch", len(batch.chunks)))
-        return submit(batch)
+        return submit(batch, between_layers)
 
     runner.submit = recording_submit
     delivered = []
