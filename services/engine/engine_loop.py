@@ -163,16 +163,14 @@ class EngineLoop:
         """Takes in the requests that arrived; cancels wait for the step's end (the step in
         progress still writes its sequences' blocks)."""
         added = False
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return added
+        while not self._inbox.empty():  # called between every two layers: cheap when empty
+            cmd = self._inbox.get()
             if cmd[0] == "add":
                 self.core.add(cmd[1])
                 added = True
             else:
                 self._held.append(cmd)
+        return added
 
     def deliver_now(self, outputs: list[RequestOutput]) -> None:
         self._publish()
