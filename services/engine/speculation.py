@@ -21,6 +21,13 @@ as tokens arrive, and picks the source to copy from in this order:
   source;
 - else the longest-agreeing occurrence, if it agrees on at least `min_match` tokens.
 
+Without a long match in its own tokens the drafter also searches its tenant's earlier outputs
+(output_history.py) and copies from there when that agrees at least as long: a tool call's
+values and closing are written by the model, not found in its prompt, but they repeat across
+calls of the same tool. The history is searched only while its drafts for this sequence are
+accepted at `min_acceptance` or better (after a trial of `_HISTORY_TRIAL` tokens), so a chat
+answer that shares nothing with earlier answers stops paying for the lookups.
+
 Draft length follows the evidence: a match that agreed on s tokens drafts s tokens (s + 2 for
 a continuation), at most num_draft_tokens, so a weak match risks one or two tokens and a long
 copy drafts many.
