@@ -8,7 +8,7 @@ with the SDK (tokenserve.client.AsyncClient). Workloads, greedy:
   - code_edit: rewrite a 60-line Python function with one small change (the answer copies
     most of the prompt);
   - tool_call: fill a JSON schema given in the prompt, its arguments' keys listed in the
-    request (the answer copies the keys and writes its own values);
+    request (the answer copies the keys and writes its own values), one order per seed;
   - chat: free-form questions (little to copy).
 Each at 1 and 16 concurrent streams, with `speculation` left to the engine (on) and turned
 off per request, back to back, alternating which goes first. Both modes get the same prompts:
@@ -16,6 +16,19 @@ each (run, workload, concurrency, stream) has its own nonce in the first line, s
 shared across runs, workloads or streams. The engine runs its default configuration plus
 `--no-prefix-caching`, so the second mode cannot find the first mode's prompts in the prefix
 cache (nothing else would hit it: every prompt is unique); --engine-arg replaces those flags.
+
+Output history (the engine also drafts from a tenant's earlier outputs): every (run,
+workload, concurrency) group is sent by a tenant of its own, whose history starts empty.
+That tenant first sends `--history-warmup` (6) other requests of the same workload with
+speculation on, as a deployment that has served similar calls would have: other orders of the
+same tool (seeds 100..105: other customers, cities, items, amounts, currencies, statuses,
+discounts), other functions to edit (seeds 16..21; code_function repeats only every 30), other
+questions (WARMUP_QUESTIONS). So when a measured 'on' request runs, its tenant's history holds
+exactly those warm-up answers, plus, at 16 streams, the answers of the group's 'on' streams
+that ended before it (other prompts). It never holds an answer to the request's own prompt:
+'off' requests opt out of speculation and the engine neither drafts for nor records an
+opted-out request, and the group's 'on' answer to a prompt joins the history only once that
+request has ended. The history does not change 'off' requests at all.
 
 Greedy output is the same either way (the engine guarantees it for the same prompt KV): the
 bench compares every stream's tokens and token count between the two modes and reports the
@@ -40,6 +53,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -90,20 +104,35 @@ def code_edit(seed: int) -> list[dict]:
              f" to `minimum`; keep everything else the same.\n\n```python\n{code_function(seed)}\n```"}]
 
 
+_CUSTOMERS = ["Ana Lopez", "Kenji Sato", "Maria Rossi", "Omar Haddad", "Lena Berg", "Tom Reed",
+              "Priya Nair", "Jonas Weber", "Chloe Martin", "Diego Silva", "Amara Obi"]
+_CITIES = ["Paris", "Osaka", "Lima", "Oslo", "Cairo", "Perth", "Quito", "Seoul", "Dakar"]
+_ITEMS = ["lamps", "chairs", "kettles", "backpacks", "monitors", "rugs", "bicycles"]
+_CURRENCIES = ["EUR", "USD", "JPY", "GBP", "CHF"]
+_STATUSES = ["pending", "paid", "shipped", "cancelled"]
+
+
 def tool_call(seed: int) -> list[dict]:
+    """One order per seed: customer, city, item, quantity, price, currency, status and
+    discount all drawn from the seed, so two seeds' orders (and answers) differ in their
+    values while sharing the tool's schema, as a deployment's calls of one tool do."""
     props = {f: {"type": "number" if f in ("amount", "discount") else "string",
                  "description": f"the {f.replace('_', ' ')} of the order"} for f in _FIELDS}
     schema = {"name": "create_order", "description": "Create an order in the shop system",
               "parameters": {"type": "object", "properties": props, "required": _FIELDS[:5]}}
-    city = ["Paris", "Osaka", "Lima", "Oslo", "Cairo", "Perth"][seed % 6]
+    rng = random.Random(seed)
+    order = (f"Customer {rng.choice(_CUSTOMERS)} in {rng.choice(_CITIES)} ordered"
+             f" {rng.randint(2, 9)} {rng.choice(_ITEMS)} for {rng.randint(20, 900)}."
+             f"{rng.randint(0, 99):02d} {rng.choice(_CURRENCIES)} today; order"
+             f" {rng.randint(1000, 9999)}, status {rng.choice(_STATUSES)},"
+             f" {rng.randint(0, 30)}% discount.")
     # The arguments' keys are listed in the request too: asked only to fill the schema,
     # SmolLM2-135M answers in prose (nothing to copy; not a tool call).
     arguments = json.dumps({f: "" for f in _FIELDS}, indent=2)
     return [{"role": "system", "content": "You call tools. Answer with one JSON object that"
              f" fills every field of this schema:\n{json.dumps(schema, indent=2)}"},
-            {"role": "user", "content": f"Order: Customer Ana Lopez in {city} ordered 3 lamps for"
-             f" 120.50 EUR today; order {4000 + seed}, status pending, 5% discount.\n\nCopy this"
-             f" JSON and fill in the values from the order:\n```json\n{arguments}\n```"}]
+            {"role": "user", "content": f"Order: {order}\n\nCopy this JSON and fill in the"
+             f" values from the order:\n```json\n{arguments}\n```"}]
 
 
 CHAT_QUESTIONS = ["Why is the sky blue?", "Give me three tips for a job interview.",
@@ -113,12 +142,24 @@ CHAT_QUESTIONS = ["Why is the sky blue?", "Give me three tips for a job intervie
                   "How do airplanes stay in the air?", "Suggest a weekend plan in a small town."]
 
 
-def chat(seed: int) -> list[dict]:
+# Asked only in the warm-up (a measured chat request never finds its own question answered).
+WARMUP_QUESTIONS = ["What is a black hole?", "How do I start running?",
+                    "Explain compound interest simply.", "Why do cats purr?",
+                    "Write a haiku about the sea.", "What is the best way to learn a language?",
+                    "How does a refrigerator work?", "Plan a picnic for four people."]
+
+
+def chat(seed: int, questions: list[str] = CHAT_QUESTIONS) -> list[dict]:
     return [{"role": "system", "content": "You are a friendly assistant."},
-            {"role": "user", "content": CHAT_QUESTIONS[seed % len(CHAT_QUESTIONS)]}]
+            {"role": "user", "content": questions[seed % len(questions)]}]
 
 
 WORKLOADS = {"code_edit": code_edit, "tool_call": tool_call, "chat": chat}
+# Measured streams use seeds 0..15. The warm-up's prompts are other requests of the same kind:
+# other functions (code_function repeats every 30 seeds), other orders, other questions.
+WARMUP_SEED = 100
+WARMUPS = {"code_edit": lambda s: code_edit(16 + s % 14), "tool_call": lambda s: tool_call(WARMUP_SEED + s),
+           "chat": lambda s: chat(s, WARMUP_QUESTIONS)}
 
 
 def with_nonce(messages: list[dict], nonce: str) -> list[dict]:
@@ -156,10 +197,10 @@ def draft_counters(metrics_url: str) -> tuple[float, float]:
 
 
 async def run_load(target: str, key: str, metrics_url: str, workload: str, streams: int,
-                   speculation: bool | None, max_tokens: int, nonce: str) -> dict:
+                   speculation: bool | None, max_tokens: int, nonce: str, make=None) -> dict:
     from tokenserve.client import AsyncClient
 
-    make = WORKLOADS[workload]
+    make = make or WORKLOADS[workload]
     before = draft_counters(metrics_url)
     async with AsyncClient(target, key, timeout=600) as client:
         t0 = time.perf_counter()
@@ -202,15 +243,16 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-async def create_tenant(endpoint: str) -> None:
+async def create_tenants(endpoint: str, names: list[str]) -> None:
     from controlplane import admin
     from controlplane.store import ConfigStore
 
     store = ConfigStore([endpoint])
     try:
-        if await store.get(f"tenants/{TENANT}") is None:
-            await admin.create_tenant(store, TENANT, "Speculative decoding bench", "premium",
-                                      actor="bench")
+        for name in names:
+            if await store.get(f"tenants/{name}") is None:
+                await admin.create_tenant(store, name, "Speculative decoding bench", "premium",
+                                          actor="bench")
     finally:
         await store.close()
 
@@ -224,6 +266,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--history-warmup", type=int, default=6,
+                    help="warm-up requests (other prompts of the workload, speculation on) each"
+                         " measured group's tenant sends first; 0: an empty history")
     ap.add_argument("--engine-arg", action="append", default=None,
                     help=f"engine flag, replacing the default {' '.join(ENGINE_ARGS)} (the"
                          " engine's own defaults otherwise)")
@@ -239,38 +284,45 @@ def main(argv=None) -> int:
     checks: dict[str, list[dict]] = {}
     facts = machine_facts(default_model_path())
     print("machine:", {k: v for k, v in facts.items() if k != "cpu_flags"}, flush=True)
+    groups = [(run, w, c) for run in range(a.runs) for w in names for c in conc]
+    tenant = {g: f"{TENANT}-r{g[0]}-{g[1].replace('_', '-')}-c{g[2]}" for g in groups}
     try:
         suite.start()
-        asyncio.run(create_tenant(suite.etcd_endpoint))
+        asyncio.run(create_tenants(suite.etcd_endpoint, [TENANT, *tenant.values()]))
+        keys = {g: suite.issue_key(t) for g, t in tenant.items()}
         key = suite.issue_key(TENANT)
         target = suite.address("gateway")
         metrics_url = f"http://127.0.0.1:{suite.ports.engine_metrics}/metrics"
-        time.sleep(1.5)  # the gateway sees the new key through its etcd watch
+        time.sleep(1.5)  # the gateway sees the new keys through its etcd watch
 
-        def load(w, c, spec, nonce):
-            return asyncio.run(run_load(target, key, metrics_url, w, c, spec, a.max_tokens, nonce))
+        def load(w, c, spec, nonce, k=key, make=None):
+            return asyncio.run(run_load(target, k, metrics_url, w, c, spec, a.max_tokens, nonce,
+                                        make))
 
         load("chat", 2, None, "warmup")
-        for run in range(a.runs):
-            for w in names:
-                for c in conc:
-                    modes = [("on", None), ("off", False)]
-                    if run % 2:
-                        modes.reverse()  # neither mode always runs first
-                    streams = {}
-                    for mode, spec in modes:
-                        # the same nonce in both modes: the same prompts
-                        r = load(w, c, spec, f"r{run}-{w}-{c}")
-                        streams[mode] = r.pop("streams")
-                        raw.setdefault(f"{w}/c{c}/{mode}", []).append(r)
-                        print(f"run {run} {w:9s} c={c:<2d} {mode:3s} per-user {r['per_user_tok_s']:6.1f}"
-                              f" tok/s  aggregate {r['aggregate_tok_s']:6.1f} tok/s  ttft p50"
-                              f" {r['ttft_p50_s']:.2f}s  acceptance {r['acceptance_rate']:.2f}"
-                              f"  tokens {r['tokens']}", flush=True)
-                    check = compare_outputs(streams["on"], streams["off"])
-                    checks.setdefault(f"{w}/c{c}", []).append(check)
-                    print(f"run {run} {w:9s} c={c:<2d} outputs identical in"
-                          f" {check['identical']}/{check['streams']} streams", flush=True)
+        for run, w, c in groups:
+            # this group's tenant has served only its warm-up: other requests of the
+            # same kind, which the engine keeps in the tenant's output history
+            if a.history_warmup:
+                load(w, a.history_warmup, None, f"r{run}-{w}-{c}-warmup", keys[run, w, c],
+                     WARMUPS[w])
+            modes = [("on", None), ("off", False)]
+            if run % 2:
+                modes.reverse()  # neither mode always runs first
+            streams = {}
+            for mode, spec in modes:
+                # the same nonce in both modes: the same prompts
+                r = load(w, c, spec, f"r{run}-{w}-{c}", keys[run, w, c])
+                streams[mode] = r.pop("streams")
+                raw.setdefault(f"{w}/c{c}/{mode}", []).append(r)
+                print(f"run {run} {w:9s} c={c:<2d} {mode:3s} per-user {r['per_user_tok_s']:6.1f}"
+                      f" tok/s  aggregate {r['aggregate_tok_s']:6.1f} tok/s  ttft p50"
+                      f" {r['ttft_p50_s']:.2f}s  acceptance {r['acceptance_rate']:.2f}"
+                      f"  tokens {r['tokens']}", flush=True)
+            check = compare_outputs(streams["on"], streams["off"])
+            checks.setdefault(f"{w}/c{c}", []).append(check)
+            print(f"run {run} {w:9s} c={c:<2d} outputs identical in"
+                  f" {check['identical']}/{check['streams']} streams", flush=True)
     finally:
         suite.stop()
 
@@ -294,7 +346,8 @@ def main(argv=None) -> int:
                           "load_avg_at_end": os.getloadavg()},
               "model": "SmolLM2-135M-Instruct Q4_1 (GGUF)", "engine_args": engine_args,
               "path": "SDK -> gateway -> engine (whole suite, premium tier), Chat, greedy",
-              "runs": a.runs, "max_tokens": a.max_tokens, "results": results,
+              "runs": a.runs, "max_tokens": a.max_tokens, "history_warmup": a.history_warmup,
+              "results": results,
               "ratios": ratios, "output_check": output_check, "raw": raw}
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".json").write_text(json.dumps(report, indent=2))

@@ -65,6 +65,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
+from services.engine.output_history import OutputHistory
 from services.engine.interface import Batch, RunnerOutput, SampledToken, SeqChunk
 from services.engine.sequence import FinishReason, SeqStatus, Sequence
 from services.engine.speculation import NgramDrafter, SpeculationConfig, draft_tokens_worth
@@ -140,6 +141,11 @@ class Scheduler:
         self.costs = StepCosts()
         self._hold_since: float | None = None  # when the current burst hold began
         self._newcomer_step = False  # the last step was a prompt-only step for newcomers
+        spec = config.speculation
+        # each tenant's last outputs, drafted from (speculating requests only: see finish)
+        self.history = OutputHistory(spec.history_outputs, spec.history_tokens,
+                                     spec.history_tenants) if (
+            spec.enabled and spec.history_outputs) else None
 
     # -- requests in and out ------------------------------------------------------------
     @property
@@ -164,9 +170,14 @@ class Scheduler:
         return self._by_id.get(seq_id)
 
     def finish(self, seq: Sequence, reason: FinishReason, now: float | None = None) -> None:
-        """Ends seq: frees its blocks at once (they return to the pool this step)."""
+        """Ends seq: frees its blocks at once (they return to the pool this step). A
+        speculating sequence's complete output (stop or length) joins its tenant's history;
+        one that opted out of speculation is neither drafted for nor drafted from."""
         if seq.finished:
             return
+        if (self.history is not None and seq.speculation
+                and reason in (FinishReason.STOP, FinishReason.LENGTH)):
+            self.history.record(seq.tenant_id, seq.output_token_ids)
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         else:
@@ -257,7 +268,7 @@ class Scheduler:
             return
         for _, s in candidates:
             if s.drafter is None:
-                s.drafter = NgramDrafter(spec)
+                s.drafter = NgramDrafter(spec, self.history, s.tenant_id)
         min_yield = self.costs.draft_min_yield(len(decodes))
         candidates.sort(key=lambda c: -c[1].drafter.rate)
         for i, s in candidates:

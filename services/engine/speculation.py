@@ -21,6 +21,13 @@ as tokens arrive, and picks the source to copy from in this order:
   source;
 - else the longest-agreeing occurrence, if it agrees on at least `min_match` tokens.
 
+Without a long match in its own tokens the drafter also searches its tenant's earlier outputs
+(output_history.py) and copies from there when that agrees at least as long: a tool call's
+values and closing are written by the model, not found in its prompt, but they repeat across
+calls of the same tool. The history is searched only while its drafts for this sequence are
+accepted at `min_acceptance` or better (after a trial of `_HISTORY_TRIAL` tokens), so a chat
+answer that shares nothing with earlier answers stops paying for the lookups.
+
 Draft length follows the evidence: a match that agreed on s tokens drafts s tokens (s + 2 for
 a continuation), at most num_draft_tokens, so a weak match risks one or two tokens and a long
 copy drafts many.
@@ -38,6 +45,8 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+
+from services.engine.output_history import OutputHistory, Source
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,13 @@ class SpeculationConfig:
     # Most draft tokens in one step across all sequences (the scheduler also keeps only the
     # drafts whose expected yield pays for their verification; see scheduler.py).
     max_draft_tokens_per_step: int = 64
+    # Drafts also from the tenant's earlier outputs (output_history.py): the last this many
+    # per tenant (0: no history)...
+    history_outputs: int = 256
+    # ...and at most this many of their tokens per tenant...
+    history_tokens: int = 65536
+    # ...for at most this many tenants (the least recently served is dropped).
+    history_tenants: int = 16
 
     def __post_init__(self):
         if self.num_draft_tokens < 1:
@@ -76,6 +92,8 @@ class SpeculationConfig:
             raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
         if self.max_draft_tokens_per_step < 0:
             raise ValueError("max_draft_tokens_per_step must be >= 0")
+        if self.history_outputs < 0 or self.history_tokens < 1 or self.history_tenants < 1:
+            raise ValueError("history_outputs must be >= 0, history_tokens and history_tenants >= 1")
 
 
 # Weight of the newest verification in the acceptance estimates.
@@ -84,6 +102,8 @@ _EMA_WEIGHT = 0.1
 _MAX_SCORE = 32
 # Extra draft tokens for a continuation of the last copy (its match is one or two tokens).
 _CONTINUATION_EXTRA = 2
+# History draft tokens verified before their acceptance decides whether to keep searching it.
+_HISTORY_TRIAL = 24
 
 
 def draft_tokens_worth(rate: float, min_yield: float, n: int) -> int:
@@ -103,8 +123,11 @@ class NgramDrafter:
     """Per-sequence drafting state: the n-gram indexes, the last copy's source, and the
     acceptance estimates."""
 
-    def __init__(self, config: SpeculationConfig):
+    def __init__(self, config: SpeculationConfig, history: OutputHistory | None = None,
+                 tenant: str = ""):
         self.config = config
+        self._history = history  # the tenant's earlier outputs, searched after the own tokens
+        self._tenant = tenant
         self._bigrams: dict[tuple[int, int], list[int]] = {}  # bigram -> positions of its 2nd token
         self._tokens: dict[int, list[int]] = {}  # token -> its positions
         self._indexed = 0  # tokens of the sequence indexed so far
@@ -115,6 +138,10 @@ class NgramDrafter:
         self._paused_until = 0  # sequence length before which no drafts are proposed
         self.proposed = 0
         self.accepted = 0
+        self._from_history = False  # the pending proposal came from the history
+        self._history_source: Source | None = None  # where the last history draft came from
+        self.history_proposed = 0
+        self.history_accepted = 0
 
     @property
     def rate(self) -> float:
@@ -123,7 +150,7 @@ class NgramDrafter:
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to min(limit, num_draft_tokens) tokens guessed to follow `tokens`."""
-        self._proposed_from = None
+        self._proposed_from, self._from_history = None, False
         cfg = self.config
         n = min(limit, cfg.num_draft_tokens)
         if n <= 0 or len(tokens) < self._paused_until or len(tokens) < 3:
@@ -131,6 +158,12 @@ class NgramDrafter:
         self._extend(tokens)
         last = len(tokens) - 1
         best, best_score, follow, follow_score = self._candidates(tokens, last)
+        if best_score < cfg.strong_match and self._history_pays():
+            draft, score, source = self._history.propose(self._tenant, tokens, n,
+                                                          self._history_source)
+            if draft and score >= best_score:
+                self._from_history, self._history_source = True, source
+                return draft[:score + _CONTINUATION_EXTRA]
         if best_score >= cfg.strong_match or (follow < 0 and best_score >= cfg.min_match):
             p, length = best, best_score
         elif follow >= 0:
@@ -139,6 +172,13 @@ class NgramDrafter:
             return []
         self._proposed_from = p
         return tokens[p + 1:p + 1 + min(n, length)]
+
+    def _history_pays(self) -> bool:
+        """Whether to search the history: until its drafts have had a fair trial, then while
+        they are accepted often enough (a chat answer rarely repeats an earlier one)."""
+        return self._history is not None and (
+            self.history_proposed < _HISTORY_TRIAL
+            or self.history_accepted >= self.config.min_acceptance * self.history_proposed)
 
     def _candidates(self, tokens: list[int], last: int) -> tuple[int, int, int, int]:
         """(best, its agreement, continuation, its agreement); -1 where there is none."""
@@ -172,6 +212,11 @@ class NgramDrafter:
             return
         self.proposed += proposed
         self.accepted += accepted
+        if self._from_history:
+            self.history_proposed += proposed
+            self.history_accepted += accepted
+            s = self._history_source
+            self._history_source = Source(s.output, s.position + accepted)
         if accepted and self._proposed_from is not None:
             self._source = self._proposed_from + accepted
         self._kept += _EMA_WEIGHT * (accepted - self._kept)

@@ -179,3 +179,39 @@ def test_speculative_greedy_output_equals_plain_greedy(runner, cases, tok):
         d = fast[name].drafter
         assert d.accepted >= N_NEW // 4, (name, d.proposed, d.accepted)
 
+
+
+def test_greedy_output_with_history_drafts_equals_plain_greedy(default_runner, tok):
+    """Tool calls of one tenant (bench/speculative.py's workload) on the default weights: the
+    later answers draft from the earlier ones, and every output equals speculation off."""
+    from bench.speculative import tool_call
+    from services.engine.block_manager import BlockManager
+    from services.engine.engine_core import EngineCore
+    from services.engine.interface import SamplingParams
+    from services.engine.scheduler import Scheduler, SchedulerConfig
+    from services.engine.sequence import Sequence, StopCriteria
+    from services.engine.speculation import SpeculationConfig
+
+    prompts = [tok.encode_chat(tool_call(seed)) for seed in range(4)]
+    runner = default_runner
+
+    def run(spec: bool, first_id: int):
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_model_len=runner.max_context,
+                                          speculation=SpeculationConfig(enabled=spec)),
+                          BlockManager(runner.num_blocks, runner.block_size), set(runner.eos_token_ids))
+        core = EngineCore(runner, sched)
+        seqs = []
+        for i, p in enumerate(prompts):  # one at a time: each finds the answers before it
+            seqs.append(Sequence(first_id + i, str(i), p, SamplingParams(),
+                                 StopCriteria(max_tokens=N_NEW), tenant_id="a"))
+            core.add(seqs[-1])
+            while core.has_work():
+                core.step()
+        return seqs
+
+    plain, fast = run(False, 300), run(True, 400)
+    for a, b in zip(plain, fast):
+        assert b.output_token_ids == a.output_token_ids, a.request_id
+    assert fast[0].drafter.history_proposed == 0
+    counts = [(s.drafter.history_proposed, s.drafter.history_accepted) for s in fast]
+    assert sum(a for _, a in counts[1:]) >= N_NEW // 2, counts
