@@ -16,12 +16,18 @@ class StepCosts:
     _WEIGHT = 0.3  # of the newest observation
     _FIT_WEIGHT = 0.1  # of the newest decode-only step in the fit
     _MIN_VARIANCE = 0.25  # rows or drafts that vary less than this cannot be told apart
+    # Decode steps without drafts after which the draft cost is forgotten (drafting is then
+    # free again until it is measured anew): an estimate that says drafts never pay stops all
+    # drafting, and without drafts nothing would ever correct it (one slow step during
+    # drafting on a busy machine was enough to switch speculation off for good).
+    _DRAFT_COST_TTL = 64
 
     def __init__(self):
         self.decode_step: float | None = None
         self.per_prompt_token: float | None = None
         self.per_draft_token: float | None = None
         self._per_row: float | None = None
+        self._steps_without_drafts = 0
         # moving means of R, D, S, RR, DD, RD, RS, DS (rows, drafts, seconds)
         self._m: list[float] | None = None
 
@@ -40,6 +46,9 @@ class StepCosts:
             self.per_prompt_token = self._avg(self.per_prompt_token, seconds / prompt_tokens)
 
     def _fit(self, r: int, d: int, s: float) -> None:
+        self._steps_without_drafts = 0 if d else self._steps_without_drafts + 1
+        if self._steps_without_drafts >= self._DRAFT_COST_TTL:
+            self.per_draft_token = None
         x = [r, d, s, r * r, d * d, r * d, r * s, d * s]
         m = x if self._m is None else [a + self._FIT_WEIGHT * (b - a) for a, b in zip(self._m, x)]
         self._m = m

@@ -90,6 +90,25 @@ def test_step_costs_tell_rows_from_drafts_while_the_batch_changes():
     assert c.draft_min_yield(16) == pytest.approx(0.016 / 0.058)
 
 
+def test_a_draft_cost_that_stopped_all_drafting_is_forgotten_after_steps_without_drafts():
+    """One slow step while drafting can make drafts look dearer than a whole decode step;
+    then no draft is verified, so nothing would correct the estimate again."""
+    c = StepCosts()
+    for drafts in [0, 8, 2, 5] * 4:  # drafts that look to cost 10 ms a token
+        c.observe(decode_rows=4, prompt_tokens=0, seconds=0.020 + 0.010 * drafts,
+                  draft_tokens=drafts)
+    assert c.draft_min_yield(4) > 1.0  # no draft can pay: drafting stops
+    for _ in range(StepCosts._DRAFT_COST_TTL - 1):
+        c.observe(decode_rows=4, prompt_tokens=0, seconds=0.020)
+    assert c.draft_min_yield(4) > 1.0  # still within the estimate's lifetime
+    c.observe(decode_rows=4, prompt_tokens=0, seconds=0.020)
+    assert c.draft_min_yield(4) == 0.0  # forgotten: drafts are tried and measured again
+    for drafts in [0, 8, 2, 5, 0, 8, 3, 1] * 4:
+        c.observe(decode_rows=4, prompt_tokens=0, seconds=0.020 + 0.002 * drafts,
+                  draft_tokens=drafts)
+    assert c.draft_min_yield(4) == pytest.approx(0.4, rel=0.05)
+
+
 def _drafted(runner):
     return sum(c.num_draft_tokens for b in runner.batches for c in b.chunks)
 
