@@ -155,7 +155,6 @@ class EngineCore:
         # Set by the step loop (plain order): a newcomer that arrives during a step on the
         # CPU gets its prompt computed between two of the step's layers (`_between_layers`).
         self.interjections: Interjections | None = None
-        self._launched_at = 0.0
         self._interjected_s = self._interjected_j = 0.0  # spent inside the step in progress
         self.scheduler = scheduler
         self._text_stream = text_stream
@@ -216,7 +215,7 @@ class EngineCore:
         if not batch.chunks:
             return None
         joules = self.energy.read_joules() if self.energy else 0.0
-        self._launched_at, self._interjected_s, self._interjected_j = now, 0.0, 0.0
+        self._interjected_s = self._interjected_j = 0.0
         hook = self._between_layers if self.interjections is not None else None
         try:
             return _Launched(batch, self.runner.submit(batch, hook), now, joules)
@@ -244,13 +243,12 @@ class EngineCore:
 
     def _between_layers(self, done: int, total: int) -> None:
         """Called by the runner between two layers of the step in progress: requests that
-        arrived meanwhile come in, and a newcomer's prompt that is due (scheduler's
-        `schedule_interjection`: the rest of this step would take longer) is computed now,
-        in a step of its own, and its first token streamed before this step ends."""
+        arrived meanwhile come in, and a newcomer's prompt (scheduler's
+        `schedule_interjection`) is computed now, in a step of its own, and its first token
+        streamed before this step ends."""
         if not self.interjections.take_new():
             return
-        left = (self.clock() - self._launched_at) * (total - done) / done
-        batch = self.scheduler.schedule_interjection(self.clock(), left)
+        batch = self.scheduler.schedule_interjection(self.clock())
         if not batch.chunks:
             return
         start = self.clock()

@@ -41,7 +41,7 @@ Newcomers first: while sequences decode, a fresh request of a tenant with nothin
 decodes' step is expected to cost more than its prompt: its first token then waits for the
 step in progress and its own prompt, not for another tenant's whole batch beside it. The
 decodes wait at most one such step in a row (`_newcomer_step_due`). A newcomer that
-arrives while a step runs on the CPU need not wait for it: between two of the step's layers
+arrives while a step runs on the CPU does not wait for it: between two of the step's layers
 the engine computes the newcomer's prompt in a step of its own (`schedule_interjection`),
 streams its first token, then finishes the step in progress.
 
@@ -194,6 +194,7 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         chunks: list[SeqChunk] = []
+        self._return_borrowed_slots()
         if not self._free_slots_for_priority():
             self._free_a_fair_slot()
         due, self._newcomer_step = self._newcomer_step_due(), False
@@ -325,24 +326,33 @@ class Scheduler:
                 and all(s.tenant_id != seq.tenant_id and s.priority <= seq.priority
                         for s in self.running))
 
-    def schedule_interjection(self, now: float, step_left_s: float) -> Batch:
-        """A prompt-only step for newcomers (`_is_newcomer`) to compute between the layers of
-        the step in progress, whose batch keeps its rows and blocks: when a slot is free, the
-        next waiting sequence is a newcomer, and the rest of the step in progress is expected
-        to take longer than its prompt (so its first token comes sooner than after that step
-        and beside the next). Never preempts, drafts nothing; empty when not due."""
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
-            return Batch(chunks=[])
-        per_token = self.costs.per_prompt_token
-        nxt = self._next_waiting()
-        if (per_token is None or not self._is_newcomer(nxt)
-                or step_left_s <= nxt.num_remaining * per_token):
+    def schedule_interjection(self, now: float) -> Batch:
+        """A prompt-only step for a newcomer (`_is_newcomer`) to compute between the layers of
+        the step in progress, whose batch keeps its rows and blocks: its first token then
+        waits for its own prompt only, not for the rest of that step as well. The running
+        streams lose nothing to it: they would wait for the newcomer's prompt in the next
+        step anyway (in a newcomers-first step, or beside it). Never preempts, drafts
+        nothing; empty when the next waiting sequence is not a newcomer."""
+        if (not self.waiting or len(self.running) > self.config.max_num_seqs
+                or not self._is_newcomer(self._next_waiting())):
             return Batch(chunks=[])
         chunks: list[SeqChunk] = []
+        # With every slot taken the newcomer borrows one: the step in progress still writes
+        # every running sequence's blocks, so the fair-share preemption that makes room for
+        # it waits for the next regular step (`_return_borrowed_slots`).
         self._admit(chunks, self.config.max_num_batched_tokens, now, frozenset(),
-                    newcomers_only=True)
+                    newcomers_only=True, slots=self.config.max_num_seqs + 1)
         # ended sequences' ids wait for the next regular batch
         return Batch(chunks=chunks)
+
+    def _return_borrowed_slots(self) -> None:
+        """Back within max_num_seqs after an interjection borrowed a slot: the tenant running
+        the most gives up its lowest-priority, youngest sequence (recompute preemption), as
+        the fair share would have made it do for the newcomer."""
+        while len(self.running) > self.config.max_num_seqs:
+            heavy = Counter(s.tenant_id for s in self.running).most_common(1)[0][0]
+            self._preempt(min((s for s in self.running if s.tenant_id == heavy),
+                              key=lambda s: (s.priority, -s.arrival)))
 
     def _newcomer_step_due(self) -> bool:
         """Whether this step computes only newcomers' prompts (`_is_newcomer`), without the
@@ -365,11 +375,13 @@ class Scheduler:
         return costs.plain_decode(rows) > nxt.num_remaining * costs.per_prompt_token
 
     def _admit(self, chunks: list[SeqChunk], budget: int, now: float,
-               hold: frozenset[str], newcomers_only: bool = False) -> int:
-        """Admits waiting sequences into this step; returns the tokens they take."""
+               hold: frozenset[str], newcomers_only: bool = False, slots: int | None = None) -> int:
+        """Admits waiting sequences into this step (while fewer than `slots`, by default
+        max_num_seqs, run); returns the tokens they take."""
         cfg = self.config
         start = budget
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        slots = cfg.max_num_seqs if slots is None else slots
+        while self.waiting and budget > 0 and len(self.running) < slots:
             seq = self._next_waiting()
             if newcomers_only and not self._is_newcomer(seq):
                 break

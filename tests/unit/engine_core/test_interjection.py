@@ -1,7 +1,7 @@
 """Interjected steps (the CPU's plain order): a newcomer that arrives while another tenant's
 batch is being computed gets its prompt computed between two of that step's layers and its
-first token streamed before the step ends, when the rest of the step would take longer than
-its prompt. Everyone's tokens stay exactly what they would be otherwise."""
+first token streamed before the step ends. Everyone's tokens stay exactly what they would
+be otherwise."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +13,7 @@ from tests.unit.engine_core.test_engine_core import Clock, Joules, drain, make_c
 
 
 class Arrivals:
-    """Interjections: hands the core `incoming` at the given layer of the next step it runs,
+    """Interjections: hands the core `incoming` between the layers of the next step it runs,
     records what is delivered early and when."""
 
     def __init__(self, core, runner):
@@ -65,18 +65,6 @@ def test_a_newcomer_arriving_mid_step_streams_its_first_token_before_the_step_en
         got += [t for o in outs if o.seq_id == s.seq_id for t in o.token_ids]
         assert got == reference_output(s.prompt_token_ids, s.stop.max_tokens)
     assert core.scheduler.blocks.num_free_blocks == 256
-
-
-def test_no_interjection_when_the_newcomers_prompt_costs_more_than_the_rest_of_the_step():
-    core, runner, arrivals, _, _ = flooded_core()
-    arrivals.incoming = [make_seq(100, 60, tenant="light", max_tokens=4)]
-    runner.cost = lambda rows, prompt: 0.01 + 0.005 * rows + 1.0 * prompt
-    core.step()
-    core.step()  # costs now say a prompt token takes ~1 s
-    arrivals.delivered.clear()
-    arrivals.incoming = [make_seq(101, 60, tenant="other", max_tokens=4)]
-    core.step()
-    assert arrivals.delivered == []
 
 
 def test_a_tenant_already_running_is_not_interjected():
@@ -175,3 +163,29 @@ def test_between_layers_the_loop_takes_new_requests_but_holds_cancels_for_the_st
     [out] = loop._drain(core)  # the step's end: the held cancel applies
     assert out.seq_id == 1 and out.finish_reason is FinishReason.CANCELLED
     assert core.scheduler.get(1) is None
+
+
+def test_with_every_slot_taken_the_newcomer_borrows_one_and_the_flood_returns_it_next_step():
+    core, runner = make_core(max_num_seqs=4, budget=64, clock=Clock())
+    runner.cost = lambda rows, prompt: 0.01 + 0.005 * rows + 0.001 * prompt
+    arrivals = core.interjections = Arrivals(core, runner)
+    flood = [make_seq(i, 6, tenant="flood", max_tokens=20) for i in range(4)]
+    for s in flood:
+        core.add(s)
+    outs = []
+    for _ in range(3):
+        outs += core.step()
+    light = make_seq(100, 5, tenant="light", max_tokens=4)
+    arrivals.incoming = [light]
+    outs += core.step()
+    [(_, early)] = arrivals.delivered
+    assert [o.seq_id for o in early] == [100]  # served inside the full batch's step
+    assert core.scheduler.num_running == 5
+    outs += core.step()  # the next step gives the slot back: the flood's youngest waits
+    assert core.scheduler.num_running == 4 and core.scheduler.get(3).num_preemptions == 1
+    assert max(len(b.chunks) for b in runner.batches[-1:]) <= 4
+    outs = [o for _, os in arrivals.delivered for o in os] + outs + drain(core)
+    for s in (*flood, light):
+        assert [t for o in outs if o.seq_id == s.seq_id for t in o.token_ids] == \
+            reference_output(s.prompt_token_ids, s.stop.max_tokens)
+    assert core.scheduler.blocks.num_free_blocks == 256
