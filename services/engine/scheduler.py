@@ -319,12 +319,17 @@ class Scheduler:
         return frozenset()
 
     def _is_newcomer(self, seq: Sequence) -> bool:
-        """A fresh request (never run) of a tenant with nothing running, whose whole prompt
-        fits in one step and whose priority is not below any running sequence's."""
-        return (seq.num_computed_tokens == 0 and not seq.num_preemptions
-                and seq.num_remaining <= self.config.max_num_batched_tokens
-                and all(s.tenant_id != seq.tenant_id and s.priority <= seq.priority
-                        for s in self.running))
+        """A fresh request (never run) whose whole prompt fits in one step, whose priority is
+        not below any running sequence's, of a light tenant: one with nothing running, or
+        running less than half what each other running tenant runs (a tenant sending one
+        request a second beside another's flood still has its last one streaming)."""
+        if (seq.num_computed_tokens or seq.num_preemptions
+                or seq.num_remaining > self.config.max_num_batched_tokens
+                or any(s.priority > seq.priority for s in self.running)):
+            return False
+        running = Counter(s.tenant_id for s in self.running)
+        own = running.pop(seq.tenant_id, 0)
+        return own == 0 or (bool(running) and 2 * own < min(running.values()))
 
     def schedule_interjection(self, now: float) -> Batch:
         """A prompt-only step for a newcomer (`_is_newcomer`) to compute between the layers of
@@ -372,7 +377,10 @@ class Scheduler:
         if not self._is_newcomer(nxt):
             return False
         rows = sum(1 for s in self.running if _streaming(s))
-        return costs.plain_decode(rows) > nxt.num_remaining * costs.per_prompt_token
+        # what its prompt computes: a prefix cached already (the same system prompt, the
+        # tenant's earlier turns) costs nothing
+        cached = len(self.blocks.find_cached_prefix(nxt)) * self.blocks.block_size
+        return costs.plain_decode(rows) > (nxt.num_remaining - cached) * costs.per_prompt_token
 
     def _admit(self, chunks: list[SeqChunk], budget: int, now: float,
                hold: frozenset[str], newcomers_only: bool = False, slots: int | None = None) -> int:

@@ -74,6 +74,35 @@ def test_a_tenant_already_running_is_not_interjected():
     assert arrivals.delivered == []
 
 
+def test_a_light_tenant_with_its_last_request_still_streaming_is_interjected():
+    # one request a second beside a flood: the previous one is still streaming when the
+    # next arrives, and the next must not wait for the flood's step either
+    core, runner, arrivals, flood, first = flooded_core()
+    earlier = make_seq(100, 5, tenant="light", max_tokens=8)
+    arrivals.incoming = [earlier]
+    core.step()
+    assert len(arrivals.delivered) == 1 and earlier.output_token_ids
+    later = make_seq(101, 5, tenant="light", max_tokens=4)
+    arrivals.incoming = [later]
+    core.step()
+    [_, (_, early)] = arrivals.delivered
+    assert [o.seq_id for o in early] == [101]
+    drain(core)
+    assert later.output_token_ids == reference_output(later.prompt_token_ids, 4)
+    assert core.scheduler.blocks.num_free_blocks == 256
+
+
+def test_a_tenant_running_half_as_many_as_the_other_is_not_interjected():
+    core, runner, arrivals, flood, first = flooded_core()
+    others = [make_seq(100 + i, 5, tenant="second", max_tokens=12) for i in range(4)]
+    for s in others:
+        core.add(s)
+    core.step()  # the second tenant's 4 streams beside the flood's 8
+    arrivals.incoming = [make_seq(200, 5, tenant="second", max_tokens=4)]
+    core.step()
+    assert arrivals.delivered == []
+
+
 def test_the_step_in_progress_is_not_billed_the_interjected_steps_time_or_energy():
     core, runner, arrivals, flood, first = flooded_core(energy=Joules())
     seen = []

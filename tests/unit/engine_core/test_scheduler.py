@@ -450,6 +450,24 @@ def test_no_newcomer_step_when_the_prompt_costs_more_than_the_decodes():
     assert {s.seq_id for s in flood} <= {c.seq_id for c in batch.chunks}
 
 
+def test_a_newcomers_cached_prefix_costs_nothing_in_the_choice_of_its_own_step():
+    sched, runner, flood = streaming_flood()  # 6 ms of decodes
+    prompt = [(7 * i) % 500 + 3 for i in range(20)]  # 20 ms of prompt, uncached
+    earlier = make_seq(50, prompt=prompt, max_tokens=2, tenant="light")
+    sched.add(earlier)
+    batch = step(sched, runner)
+    assert {s.seq_id for s in flood} <= {c.seq_id for c in batch.chunks}  # beside the decodes
+    while not earlier.finished:
+        step(sched, runner)
+    # the same prompt again: 16 of its 20 tokens are cached, 4 ms left to compute
+    later = make_seq(51, prompt=prompt, max_tokens=2, tenant="light")
+    sched.add(later)
+    batch = step(sched, runner)
+    assert [c.seq_id for c in batch.chunks] == [51] and later.output_token_ids
+    run_all(sched, runner)
+    assert later.output_token_ids == reference_output(prompt, 2)
+
+
 def test_a_tenant_holding_every_slot_gives_one_up_to_a_waiting_tenant():
     sched, runner = make(max_num_seqs=4)
     flood = [make_seq(i, tenant="flood", max_tokens=50) for i in range(4)]
