@@ -349,7 +349,7 @@ def main(argv=None) -> int:
               "runs": a.runs, "max_tokens": a.max_tokens, "history_warmup": a.history_warmup,
               "results": results,
               "ratios": ratios, "output_check": output_check, "raw": raw}
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".json").write_text(json.dumps(report, indent=2))
     plot(results, names, conc, Path(a.out + ".png"))
     print(json.dumps(ratios, indent=2))
