@@ -68,7 +68,7 @@ from services.engine.block_manager import BlockManager
 from services.engine.output_history import OutputHistory
 from services.engine.interface import Batch, RunnerOutput, SampledToken, SeqChunk
 from services.engine.sequence import FinishReason, SeqStatus, Sequence
-from services.engine.speculation import NgramDrafter, SpeculationConfig, draft_tokens_worth
+from services.engine.speculation import NgramDrafter, SpeculationConfig, TenantAcceptance
 from services.engine.step_costs import StepCosts
 
 
@@ -146,6 +146,7 @@ class Scheduler:
         self.history = OutputHistory(spec.history_outputs, spec.history_tokens,
                                      spec.history_tenants) if (
             spec.enabled and spec.history_outputs) else None
+        self.acceptance = TenantAcceptance()  # each tenant's chance per kind of draft
 
     # -- requests in and out ------------------------------------------------------------
     @property
@@ -252,8 +253,8 @@ class Scheduler:
     def _add_drafts(self, chunks: list[SeqChunk], budget: int) -> None:
         """Adds draft tokens to this step's decodes, within the budget the step has left, the
         blocks free beyond one per running sequence (drafts never cause a preemption), and
-        what pays: a draft token is verified only while its chance to be kept (the drafter's
-        rate to the power of its place) is at least `StepCosts.draft_min_yield`, so a step
+        what pays: a draft token is verified only while its chance to be kept (its kind's
+        estimated chance to the power of its place: NgramDrafter.chance) is at least `StepCosts.draft_min_yield`, so a step
         with drafts is expected to yield at least as many tokens per second as without them.
         On one stream a CPU's draft token costs ~a tenth of a decode and most drafts pay; in
         a batch that is already compute-bound each costs about a row of its own, and only
@@ -269,7 +270,8 @@ class Scheduler:
             return
         for _, s in candidates:
             if s.drafter is None:
-                s.drafter = NgramDrafter(spec, self.history, s.tenant_id)
+                s.drafter = NgramDrafter(spec, self.history, s.tenant_id,
+                                         self.acceptance.estimates(s.tenant_id))
         min_yield = self.costs.draft_min_yield(len(decodes))
         candidates.sort(key=lambda c: -c[1].drafter.rate)
         for i, s in candidates:
@@ -278,8 +280,7 @@ class Scheduler:
             # the step yields up to 1 + drafts tokens: stay within max_tokens and the context
             limit = min(room, s.stop.max_tokens - len(s.output_token_ids) - 1,
                         self.config.max_model_len - s.num_tokens)
-            limit = draft_tokens_worth(s.drafter.rate, min_yield, limit)
-            draft = s.drafter.propose(s.tokens(0, s.num_tokens), limit)
+            draft = s.drafter.propose(s.tokens(0, s.num_tokens), limit, min_yield)
             if draft and self.blocks.allocate(s, 1 + len(draft), reserve=len(self.running)):
                 c = chunks[i]
                 chunks[i] = dataclasses.replace(c, token_ids=c.token_ids + draft,
@@ -511,6 +512,7 @@ class Scheduler:
             self.blocks.cache_full_blocks(seq)
             if chunk.num_draft_tokens:
                 self.blocks.trim(seq, seq.num_tokens)
+                self.acceptance.record(seq.drafter.kind, chunk.num_draft_tokens, len(accepted))
                 seq.drafter.observe(chunk.num_draft_tokens, len(accepted), seq.num_tokens)
             if seq.first_token_at is None:
                 seq.first_token_at = now

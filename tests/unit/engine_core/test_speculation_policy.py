@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from services.engine.step_costs import StepCosts
-from services.engine.speculation import NgramDrafter, SpeculationConfig, draft_tokens_worth
+from services.engine.speculation import (NgramDrafter, SpeculationConfig, TenantAcceptance,
+                                         draft_tokens_worth)
 from tests.unit.engine_core.fakes import copying_token, make_seq, reference_output
 from tests.unit.engine_core.test_engine_core import drain
 from tests.unit.engine_core.test_speculation import code_prompt, make
@@ -151,3 +152,66 @@ def test_drafts_never_take_a_waiting_prompts_budget():
     prompt = next(c for c in batch.chunks if c.seq_id == 2)
     assert len(prompt.token_ids) == 40 - 1  # every token the decode leaves, none to drafts
     assert all(c.num_draft_tokens == 0 for c in batch.chunks)
+
+
+def test_a_drafts_kind_decides_how_far_it_is_verified():
+    """A tenant's short matches miss and its long ones are kept (a chat answer): a new answer
+    of that tenant verifies a long match in full and a short one not at all where a draft
+    token must yield half a token, while a new tenant starts from the whole engine's record."""
+    acceptance = TenantAcceptance(max_tenants=2)
+    strong = list(range(20)) + list(range(12))  # agrees on 12 tokens: copies 12..19
+    weak = [1, 2, 3, 4, 5, 6, 7, 9, 2, 3]  # agrees on 2: copies 4, 5
+    fresh = NgramDrafter(SpeculationConfig(), None, "chat", acceptance.estimates("chat"))
+    assert fresh.propose(weak, 8, min_yield=0.5) == [4, 5]  # nothing known: certain
+    assert fresh.kind == "weak"
+    est = acceptance.estimates("chat")
+    for _ in range(60):
+        for kind, accepted in (("weak", 0), ("strong", 8)):
+            est[kind].observe(8 if kind == "strong" else 2, accepted)
+            acceptance.record(kind, 8 if kind == "strong" else 2, accepted)
+    answer = NgramDrafter(SpeculationConfig(), None, "chat", acceptance.estimates("chat"))
+    assert answer.chance("weak") < 0.1 < 0.95 < answer.chance("strong")
+    assert answer.propose(weak, 8, min_yield=0.5) == [] and answer.kind is None
+    assert answer.propose(strong, 8, min_yield=0.5) == list(range(12, 20))
+    assert answer.kind == "strong"
+    assert answer.propose(weak, 8) == [4, 5]  # drafts that cost nothing are all verified
+    # the sequence's verification moves its tenant's estimate of that kind
+    answer.propose(strong, 8, min_yield=0.5)
+    before = acceptance.estimates("chat")["strong"].rate
+    answer.observe(8, 0, 40)
+    assert acceptance.estimates("chat")["strong"].rate < before
+    # a new tenant starts from the engine's record; only the last max_tenants are kept
+    assert acceptance.estimates("new")["weak"].rate < 0.1
+    acceptance.estimates("third")
+    acceptance.record("weak", 2, 2)
+    assert acceptance.estimates("chat")["strong"].rate == acceptance.estimates("new")["strong"].rate
+
+
+def test_the_scheduler_verifies_drafts_by_the_tenants_record_of_their_kind():
+    """In a compute-bound batch (a draft token costs a row) a tenant whose drafts have missed
+    drafts nothing, while a tenant whose drafts were kept still drafts; the verifications teach the tenant's and the
+    engine's estimates."""
+    def drafted(tenant_record: float) -> int:
+        core, runner = make(max_num_seqs=4)
+        runner.cost = lambda rows, other: 0.004 * rows + 0.004 * other + 0.001
+        sched = core.scheduler
+        for d in [0, 8, 2, 5] * 4:  # costs known: a draft token must yield ~0.94 tokens
+            sched.costs.observe(4, 0, runner.cost(4, d), d)
+        est = sched.acceptance.estimates("t")
+        for kind in est:
+            for _ in range(60):
+                est[kind].observe(4, round(4 * tenant_record) if tenant_record < 1 else 4)
+        seqs = [make_seq(i, prompt=code_prompt(40 + i), max_tokens=40, ignore_eos=True)
+                for i in range(4)]
+        for s in seqs:
+            core.add(s)
+        drain(core)
+        for s in seqs:
+            assert s.output_token_ids == reference_output(s.prompt_token_ids, 40, copying_token)
+        return _drafted(runner), sched
+    missed, _ = drafted(0.0)
+    kept, sched = drafted(1.0)
+    assert kept > 20
+    assert missed == 0
+    # the engine learned from the tenant's verifications: a new tenant does not start certain
+    assert any(a.rate < 1.0 for a in sched.acceptance.estimates("other").values())
