@@ -255,7 +255,8 @@ class Scheduler:
         blocks free beyond one per running sequence (drafts never cause a preemption), and
         what pays: a draft token is verified only while its chance to be kept (its kind's
         estimated chance to the power of its place: NgramDrafter.chance) is at least `StepCosts.draft_min_yield`, so a step
-        with drafts is expected to yield at least as many tokens per second as without them.
+        with drafts is expected to yield at least as many tokens per second as without them,
+        and within the inter-token latency target (`itl_target_s`, as prompt chunks are).
         On one stream a CPU's draft token costs ~a tenth of a decode and most drafts pay; in
         a batch that is already compute-bound each costs about a row of its own, and only
         near-certain ones do. Best-accepting sequences draft first."""
@@ -265,6 +266,11 @@ class Scheduler:
         room = min(spec.max_draft_tokens_per_step, budget)
         decodes = [(i, self._by_id[c.seq_id]) for i, c in enumerate(chunks)
                    if c.sample and len(c.token_ids) == 1]
+        if self.config.itl_target_s:  # drafts never stretch a step past the latency target
+            fits = self.costs.draft_tokens_within(
+                self.config.itl_target_s, len(decodes),
+                sum(len(c.token_ids) for c in chunks) - len(decodes))
+            room = room if fits is None else min(room, fits)
         candidates = [(i, s) for i, s in decodes if s.speculation and _streaming(s)]
         if not candidates or room <= 0:
             return

@@ -78,6 +78,15 @@ class StepCosts:
             return 0.0
         return self.per_draft_token * decode_rows / self.plain_decode(decode_rows)
 
+    def draft_tokens_within(self, seconds: float, decode_rows: int, prompt_tokens: int = 0) -> int | None:
+        """Draft tokens a step of `decode_rows` decodes and `prompt_tokens` prompt tokens can
+        add and stay within `seconds` (0 when the step alone takes that long). None until the
+        draft cost is known."""
+        if not self.per_draft_token or self._m is None or decode_rows <= 0:
+            return None
+        left = seconds - self.plain_decode(decode_rows) - prompt_tokens * (self.per_prompt_token or 0.0)
+        return max(0, int(left / self.per_draft_token))
+
     def prompt_tokens_within(self, seconds: float) -> int | None:
         """Prompt tokens a step with the current decodes can add and stay within `seconds`,
         but at least half the decodes' time's worth (a third of the step), so new requests

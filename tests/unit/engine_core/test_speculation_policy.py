@@ -215,3 +215,24 @@ def test_the_scheduler_verifies_drafts_by_the_tenants_record_of_their_kind():
     assert missed == 0
     # the engine learned from the tenant's verifications: a new tenant does not start certain
     assert any(a.rate < 1.0 for a in sched.acceptance.estimates("other").values())
+
+
+def test_drafts_keep_a_step_within_the_latency_target():
+    """Four streams copying their prompts verify more than 10 draft tokens in some steps; at
+    0.5 ms a draft token beside a 17 ms decode step, a 22 ms inter-token target leaves room
+    for 10."""
+    def max_drafts(target: float) -> int:
+        core, runner = make(max_num_seqs=4, itl_target_s=target)
+        runner.cost = lambda rows, other: 0.004 * rows + 0.0005 * other + 0.001
+        for d in [0, 8, 2, 5] * 4:  # costs known from the start
+            core.scheduler.costs.observe(4, 0, runner.cost(4, d), d)
+        seqs = [make_seq(i, prompt=code_prompt(50 + i), max_tokens=60, ignore_eos=True)
+                for i in range(4)]
+        for s in seqs:
+            core.add(s)
+        drain(core)
+        for s in seqs:
+            assert s.output_token_ids == reference_output(s.prompt_token_ids, 60, copying_token)
+        return max(sum(c.num_draft_tokens for c in b.chunks) for b in runner.batches)
+    assert max_drafts(0.0) > 10
+    assert 5 < max_drafts(0.022) <= 10
