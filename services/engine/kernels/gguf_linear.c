@@ -36,7 +36,11 @@
 
 #define QK 32
 #define GROUP 16            /* output rows per work item */
-#define PANEL_MIN_ROWS 4
+/* From this many input rows a work item's weights are dequantized once into a float panel;
+   below it they are converted as they are used (one decode row and its drafts: SmolLM2's
+   3072x576 Q4_1 matrix x 30 at 4 / 6 / 8 rows 4.26 / 5.74 / 6.83 ms with the panel, 3.63 /
+   5.07 / 5.79 ms without; from 12 rows on the panel is as fast or faster) */
+#define PANEL_MIN_ROWS 9
 /* Rows ahead whose blocks are prefetched: a tile reads 4 rows' blocks at once, which the
    hardware prefetcher does not follow well (one row, SmolLM2's 3072x576 Q4_1 matrix x 30:
    5.1 ms without, 2.0 ms with 8 rows ahead, 3.4 ms with 16: past the work item) */
@@ -289,9 +293,31 @@ static inline __attribute__((always_inline)) void dtile_##NR##x##MR(int fmt, con
 DTILE(4, 1)
 DTILE(4, 2)
 DTILE(4, 3)
+DTILE(4, 4)
 DTILE(1, 1)
 DTILE(1, 2)
 DTILE(1, 3)
+DTILE(1, 4)
+
+/* Direct tiles over NR (4 or 1) output rows for all M input rows, up to 4 at a time (the
+   weights' chunks are converted again for each group of 4: cheap next to a panel's stores). */
+static inline __attribute__((always_inline)) void direct_rows(int fmt, int nr, const float *x,
+        const uint8_t *w, float *y, int64_t M, int64_t n, int64_t N, int64_t K, int64_t rb) {
+    for (int64_t m = 0; m < M; m += 4) {
+        int64_t mr = M - m < 4 ? M - m : 4;
+        if (nr == 4) {
+            if (mr == 4) dtile_4x4(fmt, x, w, y, m, n, N, K, rb);
+            else if (mr == 3) dtile_4x3(fmt, x, w, y, m, n, N, K, rb);
+            else if (mr == 2) dtile_4x2(fmt, x, w, y, m, n, N, K, rb);
+            else dtile_4x1(fmt, x, w, y, m, n, N, K, rb);
+        } else {
+            if (mr == 4) dtile_1x4(fmt, x, w, y, m, n, N, K, rb);
+            else if (mr == 3) dtile_1x3(fmt, x, w, y, m, n, N, K, rb);
+            else if (mr == 2) dtile_1x2(fmt, x, w, y, m, n, N, K, rb);
+            else dtile_1x1(fmt, x, w, y, m, n, N, K, rb);
+        }
+    }
+}
 
 /* Panel tile: NR rows of the float panel p ([rows][K], aligned) x MR input rows. */
 #define PTILE(NR, MR)                                                                      \
@@ -370,16 +396,8 @@ static inline __attribute__((always_inline)) void group_impl(
         int64_t n0, int64_t nr, int64_t N, int64_t K) {
     int64_t rb = row_bytes(fmt, K), n = n0, end = n0 + nr;
     if (M < PANEL_MIN_ROWS) {
-        for (; n + 4 <= end; n += 4) {
-            if (M == 1) dtile_4x1(fmt, x, w, y, 0, n, N, K, rb);
-            else if (M == 2) dtile_4x2(fmt, x, w, y, 0, n, N, K, rb);
-            else dtile_4x3(fmt, x, w, y, 0, n, N, K, rb);
-        }
-        for (; n < end; n++) {
-            if (M == 1) dtile_1x1(fmt, x, w, y, 0, n, N, K, rb);
-            else if (M == 2) dtile_1x2(fmt, x, w, y, 0, n, N, K, rb);
-            else dtile_1x3(fmt, x, w, y, 0, n, N, K, rb);
-        }
+        for (; n + 4 <= end; n += 4) direct_rows(fmt, 4, x, w, y, M, n, N, K, rb);
+        for (; n < end; n++) direct_rows(fmt, 1, x, w, y, M, n, N, K, rb);
         return;
     }
     for (int64_t r = 0; r < nr; r++) {
