@@ -50,11 +50,12 @@ def test_dequantizes_exactly_as_the_reference(glib, kind):
 
 @pytest.mark.parametrize("kind", list(FORMATS))
 def test_linear_matches_float32_over_the_dequantized_weights(glib, kind):
-    # rows 1-3 take the direct tiles, 4+ the dequantized panels; N = 37 leaves remainders
+    # rows 1-8 take the direct tiles (4 at a time), 9+ the dequantized panels; N = 37 leaves
+    # remainders
     w = blocks(kind, 37, 512, seed=1)
     ref_w = w.dequantize().double()
     x = torch.randn(13, 512)
-    for m in (0, 1, 2, 3, 4, 5, 7, 13):
+    for m in (0, 1, 2, 3, 4, 5, 7, 8, 9, 13):
         y = gguf_kernels.linear(glib, x[:m], w)
         assert y.shape == (m, 37)
         ref = (x[:m].double() @ ref_w.T).float()
@@ -69,6 +70,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(glib, kind):
     for i in range(9):
         assert torch.equal(gguf_kernels.linear(glib, x[i:i + 1], w)[0], full[i])
     assert torch.equal(gguf_kernels.linear(glib, x[2:5], w), full[2:5])
+    assert torch.equal(gguf_kernels.linear(glib, x[1:9], w), full[1:9])  # direct, two passes
 
 
 def test_weight_checks_its_blocks():
