@@ -254,9 +254,10 @@ class Scheduler:
         """Adds draft tokens to this step's decodes, within the budget the step has left, the
         blocks free beyond one per running sequence (drafts never cause a preemption), and
         what pays: a draft token is verified only while its chance to be kept (its kind's
-        estimated chance to the power of its place: NgramDrafter.chance) is at least `StepCosts.draft_min_yield`, so a step
-        with drafts is expected to yield at least as many tokens per second as without them,
-        and within the inter-token latency target (`itl_target_s`, as prompt chunks are).
+        estimated chance to the power of its place: NgramDrafter.chance) is at least
+        `StepCosts.draft_min_yield`, so a step with drafts is expected to yield at least as
+        many tokens per second as without them, and within the inter-token latency target
+        (`itl_target_s`, as prompt chunks are).
         On one stream a CPU's draft token costs ~a tenth of a decode and most drafts pay; in
         a batch that is already compute-bound each costs about a row of its own, and only
         near-certain ones do. Best-accepting sequences draft first."""
