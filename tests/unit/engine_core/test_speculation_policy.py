@@ -187,27 +187,39 @@ def test_a_drafts_kind_decides_how_far_it_is_verified():
     assert acceptance.estimates("chat")["strong"].rate == acceptance.estimates("new")["strong"].rate
 
 
+def _priced(draft_cost: float, **cfg):
+    """An engine of 4 slots whose fake steps cost 4 ms a decode row, draft_cost a draft or
+    prompt token and 1 ms, with those costs already learned."""
+    core, runner = make(max_num_seqs=4, **cfg)
+    runner.cost = lambda rows, other: 0.004 * rows + draft_cost * other + 0.001
+    for d in [0, 8, 2, 5] * 4:
+        core.scheduler.costs.observe(4, 0, runner.cost(4, d), d)
+    return core, runner
+
+
+def _copy_four_prompts(core, seed: int, max_tokens: int) -> None:
+    """Streams four code prompts to the end; each output is the plain decoding's."""
+    seqs = [make_seq(i, prompt=code_prompt(seed + i), max_tokens=max_tokens, ignore_eos=True)
+            for i in range(4)]
+    for s in seqs:
+        core.add(s)
+    drain(core)
+    for s in seqs:
+        assert s.output_token_ids == reference_output(s.prompt_token_ids, max_tokens, copying_token)
+
+
 def test_the_scheduler_verifies_drafts_by_the_tenants_record_of_their_kind():
     """In a compute-bound batch (a draft token costs a row) a tenant whose drafts have missed
     drafts nothing, while a tenant whose drafts were kept still drafts; the verifications teach the tenant's and the
     engine's estimates."""
     def drafted(tenant_record: float) -> int:
-        core, runner = make(max_num_seqs=4)
-        runner.cost = lambda rows, other: 0.004 * rows + 0.004 * other + 0.001
+        core, runner = _priced(draft_cost=0.004)  # a draft token must yield ~0.94 tokens
         sched = core.scheduler
-        for d in [0, 8, 2, 5] * 4:  # costs known: a draft token must yield ~0.94 tokens
-            sched.costs.observe(4, 0, runner.cost(4, d), d)
         est = sched.acceptance.estimates("t")
         for kind in est:
             for _ in range(60):
-                est[kind].observe(4, round(4 * tenant_record) if tenant_record < 1 else 4)
-        seqs = [make_seq(i, prompt=code_prompt(40 + i), max_tokens=40, ignore_eos=True)
-                for i in range(4)]
-        for s in seqs:
-            core.add(s)
-        drain(core)
-        for s in seqs:
-            assert s.output_token_ids == reference_output(s.prompt_token_ids, 40, copying_token)
+                est[kind].observe(4, round(4 * tenant_record))
+        _copy_four_prompts(core, seed=40, max_tokens=40)
         return _drafted(runner), sched
     missed, _ = drafted(0.0)
     kept, sched = drafted(1.0)
@@ -222,17 +234,8 @@ def test_drafts_keep_a_step_within_the_latency_target():
     0.5 ms a draft token beside a 17 ms decode step, a 22 ms inter-token target leaves room
     for 10."""
     def max_drafts(target: float) -> int:
-        core, runner = make(max_num_seqs=4, itl_target_s=target)
-        runner.cost = lambda rows, other: 0.004 * rows + 0.0005 * other + 0.001
-        for d in [0, 8, 2, 5] * 4:  # costs known from the start
-            core.scheduler.costs.observe(4, 0, runner.cost(4, d), d)
-        seqs = [make_seq(i, prompt=code_prompt(50 + i), max_tokens=60, ignore_eos=True)
-                for i in range(4)]
-        for s in seqs:
-            core.add(s)
-        drain(core)
-        for s in seqs:
-            assert s.output_token_ids == reference_output(s.prompt_token_ids, 60, copying_token)
+        core, runner = _priced(draft_cost=0.0005, itl_target_s=target)
+        _copy_four_prompts(core, seed=50, max_tokens=60)
         return max(sum(c.num_draft_tokens for c in b.chunks) for b in runner.batches)
     assert max_drafts(0.0) > 10
     assert 5 < max_drafts(0.022) <= 10
