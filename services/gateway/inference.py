@@ -166,9 +166,13 @@ class Pipeline:
         if self._sender is not None:
             self._sender.notify()
 
-    async def stream(self, caller: Caller, req: InferenceRequest,
-                     timeout: float) -> AsyncIterator[Chunk]:
-        """`req` must be validated; `timeout` is the seconds left of the caller's deadline."""
+    async def stream(self, caller: Caller, req: InferenceRequest, timeout: float, *,
+                     on_admitted: Callable[[tuple[tuple[str, str], ...]], None] | None = None,
+                     ) -> AsyncIterator[Chunk]:
+        """`req` must be validated; `timeout` is the seconds left of the caller's deadline.
+        The response metadata comes on the first chunk, or, with `on_admitted`, is handed to
+        it once the request is admitted, before the engine call (so a gRPC server sends its
+        headers while the engine works, not after)."""
         if self._draining:
             raise Unavailable("this gateway is shutting down; retry on another gateway")
         arrived = time.monotonic()
@@ -202,6 +206,9 @@ class Pipeline:
         except ResourceExhausted as e:
             metrics.ADMISSION_REJECTIONS.labels(caller.tier, e.limit or "other").inc()
             raise
+        if on_admitted is not None and metadata:
+            on_admitted(metadata)
+            metadata = ()
         progress = _Progress(caller, req, model, len(prompt_ids))
         status = "UNKNOWN"
         try:

@@ -89,6 +89,7 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
 
     async def _stream(self, method: str, request, context, *, chat: bool):
         started, tier, code = time.monotonic(), "none", "OK"
+        headers: asyncio.Future | None = None
         try:
             caller = self._caller(context)
             tier = caller.tier
@@ -97,10 +98,18 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
             req = validate(request_from_pb(request, chat=chat, session_id=session),
                            tier_cap=caller.max_tokens, tier=caller.tier)
             first = True
-            async with aclosing(self._pipeline.stream(caller, req, self._timeout(context))) as s:
+
+            def on_admitted(metadata):
+                # sent while the engine works; awaited before the first message
+                nonlocal headers
+                headers = asyncio.ensure_future(context.send_initial_metadata(metadata))
+
+            async with aclosing(self._pipeline.stream(caller, req, self._timeout(context),
+                                                      on_admitted=on_admitted)) as s:
                 async for chunk in s:
-                    if chunk.metadata:
-                        await context.send_initial_metadata(chunk.metadata)
+                    if headers is not None:
+                        sending, headers = headers, None
+                        await sending
                     yield chunk_to_pb(chunk, first=first)
                     first = False
         except ServiceError as e:
@@ -110,6 +119,10 @@ class InferenceServicer(gateway_pb2_grpc.InferenceServiceServicer):
             code = "CANCELLED"
             raise
         finally:
+            if headers is not None:
+                # ended before any message: the status must not go out while the headers
+                # are still being sent (gRPC would refuse a second set of headers)
+                await asyncio.gather(headers, return_exceptions=True)
             metrics.REQUESTS.labels(method, tier, code).inc()
             metrics.REQUEST_SECONDS.labels(method).observe(time.monotonic() - started)
 

@@ -69,6 +69,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self._lock = threading.Lock()
         self.cancelled: list[str] = []
         self.cancel_seen = threading.Event()
+        # when set to an Event: each request waits for it before its first token
+        self.hold: threading.Event | None = None
 
     def Generate(self, request, context):
         with self._lock:
@@ -78,6 +80,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             context.abort(self.fail_with, f"fake engine refuses: {self.fail_with.name}")
         if request.prompt_token_ids and request.prompt_token_ids[0] == -1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[0] must be >= 0")
+        if self.hold is not None and not self.hold.wait(30):
+            context.abort(grpc.StatusCode.INTERNAL, "fake engine: hold never released")
         for i in range(request.max_tokens):
             if self.delay:
                 time.sleep(self.delay)

@@ -2,8 +2,10 @@
 servers: auth, validation, routing, cancellation and usage, none of which needs a model."""
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -122,6 +124,26 @@ def test_disabled_tenant_is_permission_denied(gateway, control):
 
 
 # Bad requests (every field, both adapters): tests/bad_input.py, run by test_bad_input.py.
+
+
+def test_quota_headers_arrive_while_the_engine_still_works(gateway, key, engine):
+    """The remaining-quota headers go out once the request is admitted, not with the first
+    token: a client reads them while the engine has produced nothing yet."""
+    engine.servicer.hold = hold = threading.Event()
+    try:
+        call = gateway.stub().Generate(pb.GenerateRequest(prompt="a b", max_tokens=2,
+                                                          request_id="early-headers"),
+                                       metadata=auth(key), timeout=30)
+        with ThreadPoolExecutor(1) as pool:
+            headers = dict(pool.submit(call.initial_metadata).result(timeout=15))
+        assert not hold.is_set()  # the engine has not sent a token
+        assert int(headers["x-ratelimit-remaining-tokens"]) >= 0
+        assert "x-ratelimit-limit-requests" in headers
+    finally:
+        hold.set()
+        engine.servicer.hold = None
+    chunks = list(call)
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
 def test_client_cancel_cancels_the_engine_call_and_is_metered(gateway, key, engine, meter_stub):
