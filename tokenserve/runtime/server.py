@@ -79,11 +79,21 @@ def _unexpected(method: str, exc: Exception):
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps `ServiceError` to its status; anything else becomes INTERNAL and is logged."""
 
+    def __init__(self):
+        # the wrapped handler of each method handler, built at its first call
+        self._wrapped: dict[Any, Any] = {}
+
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
-        method = details.method
+        wrapped = self._wrapped.get(handler)
+        if wrapped is None:
+            wrapped = self._wrapped[handler] = self._wrap(handler, details.method)
+        return wrapped
+
+    @staticmethod
+    def _wrap(handler, method: str):
         if handler.unary_unary:
             inner = handler.unary_unary
 
