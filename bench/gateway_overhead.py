@@ -18,6 +18,8 @@ what it adds).
   added = p50/p99 of the path's request latencies minus the direct path's, medians over
   --concurrent-rounds rounds.
 Greedy on every path, EOS not ignored: every path generates the same tokens.
+- the floor: a bare grpc.aio relay (no protobuf, no logic) in front of a bare echo server,
+  against the echo directly, alternating: what any Python gRPC hop adds on this machine.
 Writes bench/results/gateway_overhead.json and .png (CPU flags in the JSON).
 """
 from __future__ import annotations
@@ -95,6 +97,71 @@ async def admission_rates(redis_url: str, n: int = 20000) -> dict:
     return {"memory_admit_settle_per_s": memory_per_s,
             "redis_admit_settle_per_s_serial": redis_serial,
             "redis_admit_settle_per_s_16_concurrent": redis_16}
+
+
+# -- the floor: what any Python gRPC hop adds ------------------------------------------------
+def _floor_server(port: int, upstream: int | None) -> None:
+    """A bare grpc.aio server (no protobuf, no logic): an echo, or with `upstream` a relay
+    that streams the upstream echo's answer back, as the gateway streams the engine's."""
+    async def serve():
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{upstream}") if upstream else None
+        call = channel.unary_stream("/floor.Floor/Stream") if channel else None
+
+        async def stream(request, context):
+            if call is None:
+                yield b"x" * 16
+                return
+            async for message in call(request):
+                yield message
+        handlers = grpc.method_handlers_generic_handler(
+            "floor.Floor", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((handlers,))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+    asyncio.run(serve())
+
+
+async def relay_floor(n: int = 1000) -> dict:
+    """Added p50 of a bare Python gRPC relay over calling its upstream directly, alternating
+    (the least any Python gRPC front adds on this machine, before any gateway logic)."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    echo_port, relay_port = free_port(), free_port()
+    procs = [ctx.Process(target=_floor_server, args=(echo_port, None), daemon=True),
+             ctx.Process(target=_floor_server, args=(relay_port, echo_port), daemon=True)]
+    for p in procs:
+        p.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{echo_port}") as direct, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{relay_port}") as relay:
+            calls = {"direct": direct.unary_stream("/floor.Floor/Stream"),
+                     "relay": relay.unary_stream("/floor.Floor/Stream")}
+            for call in calls.values():  # wait for both servers, then warm up
+                for _ in range(300):
+                    try:
+                        async for _ in call(b"hi", timeout=5):
+                            pass
+                        break
+                    except grpc.RpcError:
+                        await asyncio.sleep(0.1)
+                for _ in range(100):
+                    async for _ in call(b"hi", timeout=5):
+                        pass
+            lat = {name: [] for name in calls}
+            for _ in range(n):
+                for name, call in calls.items():
+                    t = time.perf_counter()
+                    async for _ in call(b"hi", timeout=5):
+                        pass
+                    lat[name].append(time.perf_counter() - t)
+    finally:
+        for p in procs:
+            p.kill()
+    return {"direct_p50_s": statistics.median(lat["direct"]),
+            "relay_p50_s": statistics.median(lat["relay"]),
+            "added_p50_s": statistics.median(r - d for r, d in zip(lat["relay"], lat["direct"]))}
 
 
 # -- the service paths -------------------------------------------------------------------
@@ -275,12 +342,13 @@ def main() -> int:
         try:
             time.sleep(0.3)
             rates = asyncio.run(admission_rates(redis_url))
+            floor = asyncio.run(relay_floor())
             suite.start()
             result = asyncio.run(measure(suite, data, redis_url, args))
         finally:
             suite.stop()
             redis.kill()
-    result.update({"admission_decisions": rates, "date": datetime.now(timezone.utc).isoformat(),
+    result.update({"admission_decisions": rates, "python_grpc_relay_floor": floor, "date": datetime.now(timezone.utc).isoformat(),
                    "machine": {"cpu_flags": cpu_flags(), "cores": __import__("os").cpu_count(),
                                "python": platform.python_version()},
                    "config": {"rounds": args.rounds, "concurrent_rounds": args.concurrent_rounds,
@@ -291,6 +359,7 @@ def main() -> int:
     plot(result, out.with_suffix(".png"))
     ms = lambda v: {k: round(x * 1000, 3) for k, x in v.items()}  # noqa: E731
     print("admission decisions/s:", {k: round(v) for k, v in rates.items()})
+    print("a bare Python gRPC relay adds, p50 ms:", round(floor["added_p50_s"] * 1000, 3))
     print("added per request, 1 stream, p50 ms:", ms(result["per_request_1_token"]["added_p50_s"]))
     print("added per streamed token ms:", ms(result["added_per_streamed_token_s"]))
     print("added per request, 64 streams, p50 ms:", ms(result["concurrent_64"]["added_p50_s"]))
