@@ -348,7 +348,8 @@ def main() -> int:
         finally:
             suite.stop()
             redis.kill()
-    result.update({"admission_decisions": rates, "python_grpc_relay_floor": floor, "date": datetime.now(timezone.utc).isoformat(),
+    result.update({"admission_decisions": rates, "python_grpc_relay_floor": floor,
+                   "date": datetime.now(timezone.utc).isoformat(),
                    "machine": {"cpu_flags": cpu_flags(), "cores": __import__("os").cpu_count(),
                                "python": platform.python_version()},
                    "config": {"rounds": args.rounds, "concurrent_rounds": args.concurrent_rounds,
