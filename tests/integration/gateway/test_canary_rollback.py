@@ -160,7 +160,9 @@ def test_a_broken_canary_is_rolled_back_once_by_the_gateways(gateways, control, 
     (entry,) = rollbacks
     assert entry["actor"] in ("gateway:gw0", "gateway:gw1")
     assert entry["detail"].startswith("canary v2 broke its guard over ")
-    assert re.search(r"error rate 0\.\d\d > 0\.2 \(stable v1: 0\.00\)", entry["detail"])
+    # A gateway may judge v2 before it has seen min-requests on v1; then v1 is not compared.
+    assert re.search(r"error rate 0\.\d\d > 0\.2 \(stable v1: (0\.00|too few requests)\)",
+                     entry["detail"]), entry["detail"]
 
     # Traffic is back on the stable version, with no failures.
     wait_for_route(gateways, key, lambda s: s == {"v1"})
