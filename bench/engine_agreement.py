@@ -5,8 +5,11 @@
 On the oracle prompts of tests/integration/engine_model (plain, chat, code, multilingual,
 list, a 1,000-token prompt prefilled in 256-token chunks), 64 greedy tokens from:
   exact             --exact: float32 weights dequantized from the file, float32 KV cache
-  default           the service's defaults: the file's own blocks, float16 KV cache
-  default_kv32      the file's own blocks, float32 KV cache (summation order the only difference)
+  default           the service's defaults: the file's own blocks (in bfloat16 arithmetic where
+                    the CPU has AVX512-BF16, prompt chunks of 32+ rows in bfloat16 where it
+                    multiplies bfloat16 natively), float16 KV cache
+  blocks_float32    the file's own blocks in float32 arithmetic, float32 KV cache (summation
+                    order the only difference)
 For each mode and prompt: the first position where its tokens leave the exact path, the
 exact model's top-2 logit gap there (a near-tie means rounding chose), and the share of
 the 64 tokens equal position by position. Writes bench/results/engine_agreement.json.
@@ -31,7 +34,8 @@ from tokenserve.tokenization import load_model_tokenizer  # noqa: E402
 
 MODES = {"exact": dict(quantization="none", dtype="float32", kv_cache_dtype="float32"),
          "default": dict(quantization="auto"),
-         "default_kv32": dict(quantization="auto", kv_cache_dtype="float32")}
+         "blocks_float32": dict(quantization="auto", kv_cache_dtype="float32", prefill_dtype="float32",
+                                decode_dtype="float32")}
 
 
 def main() -> None:
@@ -70,7 +74,7 @@ def main() -> None:
                         "of": len(per)}
     out = {"benchmark": "engine_agreement", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "model": path.name, "new_tokens": a.new_tokens, "modes": {k: v for k, v in MODES.items()},
-           "machine": {k: v for k, v in machine_facts().items() if k != "cpu_flags"},
+           "machine": machine_facts(),
            "vs_exact": report}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2))

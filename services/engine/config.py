@@ -18,6 +18,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 COMPUTE_DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8")  # what each means: services/engine/quant.py
 PREFILL_DTYPES = ("auto", "bfloat16", "float32")  # likewise
+DECODE_DTYPES = PREFILL_DTYPES  # likewise
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class EngineConfig:
     # Prompt rows of a step: "auto" multiplies them in bfloat16 where the CPU does so natively
     # (a bfloat16 copy of the GGUF weights, 2 bytes a weight); "float32": the file's blocks.
     prefill_dtype: str = "auto"
+    # Every other row the GGUF blocks are multiplied with (decode rows, drafts, short prompt
+    # chunks): "auto" is bfloat16 arithmetic where the kernels have an AVX512-BF16 build for
+    # this CPU (the blocks rounded to bfloat16 as they are read), else float32.
+    decode_dtype: str = "auto"
     # CUDA: run every step op by op, without CUDA graphs, and without overlapping the host's
     # work with the device's (debugging); no effect on the CPU.
     eager: bool = False
@@ -102,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
         if self.prefill_dtype not in PREFILL_DTYPES:
             raise ValueError(f"prefill_dtype must be one of {PREFILL_DTYPES}, got {self.prefill_dtype!r}")
+        if self.decode_dtype not in DECODE_DTYPES:
+            raise ValueError(f"decode_dtype must be one of {DECODE_DTYPES}, got {self.decode_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.threads is not None and self.threads < 1:

@@ -9,8 +9,9 @@ or float32's 4.
 
 Instruction sets: the C source is built once per ISA this module knows (`ISAS`, best first)
 and `load()` returns the best build the CPU runs (AVX-512 where /proc/cpuinfo lists F, BW, VL
-and DQ; else AVX2/FMA/F16C); None where neither fits or nothing compiles (callers then
-dequantize once and multiply with torch).
+and DQ, with AVX512-BF16 also the bfloat16-arithmetic kernel `linear(..., bf16=True)`; else
+AVX2/FMA/F16C); None where neither fits or nothing compiles (callers then dequantize once and
+multiply with torch).
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ FORMATS: dict[str, tuple[int, int, int]] = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32,
                                             "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
 # ISA name -> (compiler flags, /proc/cpuinfo flags it needs), best first
 ISAS: dict[str, tuple[list[str], frozenset[str]]] = {
+    "avx512bf16": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2",
+                    "-mfma", "-mf16c"],
+                   frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx2", "fma",
+                              "f16c"})),
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
                frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"})),
     "avx2": (["-mavx2", "-mfma", "-mf16c"], frozenset({"avx2", "fma", "f16c"})),
@@ -68,6 +73,11 @@ def load(isa: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL |
         lib.gguf_dequantize.restype = ctypes.c_int
         lib.gguf_dequantize.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.gguf_isa.restype = ctypes.c_char_p
+        if hasattr(lib, "gguf_linear_bf16"):  # the avx512bf16 build
+            lib.gguf_linear_bf16.restype = ctypes.c_int
+            lib.gguf_linear_bf16.argtypes = lib.gguf_linear.argtypes
+            lib.gguf_dequantize_bf16.restype = ctypes.c_int
+            lib.gguf_dequantize_bf16.argtypes = lib.gguf_dequantize.argtypes
         log.info("gguf_kernels_loaded", isa=lib.gguf_isa().decode())
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("gguf_kernels_unavailable", isa=isa, reason=f"{type(e).__name__}: {e}"[:300])
@@ -114,13 +124,19 @@ class GGUFWeight:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(self.shape)
 
 
-def linear(lib: ctypes.CDLL, x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
-    """x: float32 [M, K] (made contiguous) -> x @ w.T, float32 [M, N]."""
+def has_bfloat16(lib: ctypes.CDLL | None) -> bool:
+    """Whether `lib` is a build with the bfloat16-arithmetic kernel (`linear(..., bf16=True)`)."""
+    return lib is not None and hasattr(lib, "gguf_linear_bf16")
+
+
+def linear(lib: ctypes.CDLL, x: torch.Tensor, w: GGUFWeight, bf16: bool = False) -> torch.Tensor:
+    """x: float32 [M, K] (made contiguous) -> x @ w.T, float32 [M, N]. bf16: x and the weights
+    rounded to bfloat16, products summed in float32 (a build where `has_bfloat16`)."""
     x = x.contiguous()
     n, k = w.shape
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
-    rc = lib.gguf_linear(FORMATS[w.kind][0], x.data_ptr(), w.blocks.data_ptr(), y.data_ptr(),
-                         x.shape[0], n, k)
+    fn = lib.gguf_linear_bf16 if bf16 else lib.gguf_linear
+    rc = fn(FORMATS[w.kind][0], x.data_ptr(), w.blocks.data_ptr(), y.data_ptr(), x.shape[0], n, k)
     if rc != 0:
         raise ValueError(f"gguf_linear rejected a {w.kind} {n}x{k} matrix")
     return y
@@ -132,4 +148,12 @@ def dequantize(lib: ctypes.CDLL, w: GGUFWeight) -> torch.Tensor:
     out = torch.empty(w.shape, dtype=torch.float32)
     if lib.gguf_dequantize(FORMATS[w.kind][0], w.blocks.data_ptr(), out.data_ptr(), *w.shape) != 0:
         raise ValueError(f"gguf_dequantize rejected a {w.kind} {w.shape} matrix")
+    return out
+
+
+def dequantize_bf16(lib: ctypes.CDLL, w: GGUFWeight) -> torch.Tensor:
+    """bfloat16 [N, K]: the weights as `linear(..., bf16=True)` multiplies them."""
+    out = torch.empty(w.shape, dtype=torch.bfloat16)
+    if lib.gguf_dequantize_bf16(FORMATS[w.kind][0], w.blocks.data_ptr(), out.data_ptr(), *w.shape) != 0:
+        raise ValueError(f"gguf_dequantize_bf16 rejected a {w.kind} {w.shape} matrix")
     return out

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from services.engine.block_manager import BlockManager
-from services.engine.config import COMPUTE_DTYPES, PREFILL_DTYPES, EngineConfig
+from services.engine.config import COMPUTE_DTYPES, DECODE_DTYPES, PREFILL_DTYPES, EngineConfig
 from services.engine.energy import cuda_device_uuid, energy_source
 from services.engine.engine_core import EngineCore, text_stream_factory
 from services.engine.engine_loop import AsyncEngine
@@ -63,8 +63,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--prefill-dtype", default="auto", choices=PREFILL_DTYPES,
                    help="prompt rows of a step: auto (default) multiplies them in bfloat16 where"
                         " the CPU does so natively (AMX or AVX512-BF16; keeps a bfloat16 copy of"
-                        " the GGUF weights), float32 on the file's own blocks; decode rows always"
-                        " use the file's blocks")
+                        " the GGUF weights), float32 on the file's own blocks")
+    p.add_argument("--decode-dtype", default="auto", choices=DECODE_DTYPES,
+                   help="the other rows (decodes, drafts, short prompt chunks), always multiplied"
+                        " on the file's own blocks: auto (default) in bfloat16 arithmetic where the"
+                        " CPU has AVX512-BF16 (the blocks rounded to bfloat16 as they are read),"
+                        " else float32")
     p.add_argument("--exact", action="store_true",
                    help="the bit-faithful mode: float32 dense weights, activations and KV cache"
                         " (same as --quantization none --dtype float32); slower")
@@ -111,9 +115,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     a = p.parse_args(argv)
     if a.exact:
         if (a.quantization not in ("auto", "none") or a.dtype not in ("auto", "float32")
-                or a.kv_cache_dtype not in (None, "float32") or a.prefill_dtype == "bfloat16"):
+                or a.kv_cache_dtype not in (None, "float32") or "bfloat16" in (a.prefill_dtype, a.decode_dtype)):
             p.error("--exact is float32 without quantization: drop --quantization/--dtype/"
-                    "--kv-cache-dtype/--prefill-dtype")
+                    "--kv-cache-dtype/--prefill-dtype/--decode-dtype")
         a.quantization, a.dtype, a.kv_cache_dtype = "none", "float32", "float32"
     try:
         return EngineConfig(
@@ -121,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             version=a.version, host=a.host, port=a.port,
             metrics_port=a.metrics_port, device=a.device,
             dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
-            prefill_dtype=a.prefill_dtype, eager=a.eager, threads=a.threads,
+            prefill_dtype=a.prefill_dtype, decode_dtype=a.decode_dtype, eager=a.eager, threads=a.threads,
             max_concurrency=a.max_concurrency, max_waiting=a.max_waiting,
             max_batched_tokens=a.max_batched_tokens, itl_target_ms=a.itl_target_ms,
             burst_hold_ms=a.burst_hold_ms,
@@ -158,7 +162,8 @@ def build_core(config: EngineConfig, window: LoadWindow | None = None) -> Engine
     runner = ModelRunner(
         config.model_path, device=config.device, dtype=config.dtype,
         quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
-        prefill_dtype=config.prefill_dtype, block_size=config.block_size,
+        prefill_dtype=config.prefill_dtype, decode_dtype=config.decode_dtype,
+        block_size=config.block_size,
         kv_cache_bytes=config.kv_cache_mb * 2**20 if config.kv_cache_mb else None,
         max_num_seqs=config.max_concurrency, progress=progress, num_threads=config.threads,
         cuda_graphs=not config.eager)

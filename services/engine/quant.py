@@ -17,7 +17,15 @@ AVX512-BF16), a GGUF linear also keeps its weights as bfloat16 (the file's numbe
 bfloat16: 2 bytes a weight more) and multiplies a step's prompt rows with them when there are at
 least PREFILL_MIN_ROWS; decode rows always use the file's blocks. Measured on a 2-core AVX-512
 AMX Xeon, SmolLM2's 3072x576 gate/up matrix: 1000 rows 27 ms on the blocks, 2.1 ms in bfloat16;
-32 rows 0.69 vs 0.38 ms. Greedy agreement with the float32 reference: bench/engine_cpu.py.
+32 rows 0.69 vs 0.38 ms.
+
+Decode (`decode_dtype`): every other row is multiplied on the file's blocks; where their kernels
+have an AVX512-BF16 build ("auto"), in bfloat16 arithmetic (the blocks rounded to bfloat16 as
+they are read, the rows rounded once, products summed in float32): a batch of decodes is bound
+by the multiplies, and this halves them (all linears of a SmolLM2 step with 16 rows, 2-core Zen
+4: 32 -> 20 ms). Either way a row's result does not depend on the rest of the batch, so
+speculative and plain greedy decoding give the same tokens. Greedy agreement with the float32
+reference: bench/engine_agreement.py and bench/engine_cpu.py.
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine import cpu_kernels, gguf_kernels
-from services.engine.config import PREFILL_DTYPES
+from services.engine.config import DECODE_DTYPES, PREFILL_DTYPES
 from services.engine.gguf_kernels import GGUFWeight
 
 QUANTIZATIONS = ("auto", "none", "int8")
@@ -44,6 +52,20 @@ def prefill_in_bfloat16(prefill_dtype: str, device: str) -> bool:
     if prefill_dtype == "auto":
         return device == "cpu" and native_bfloat16()
     return prefill_dtype == "bfloat16"
+
+
+def decode_in_bfloat16(decode_dtype: str, device: str) -> bool:
+    """Whether the GGUF blocks' kernel multiplies in bfloat16 (decode_dtype "auto": where it has
+    a build for this CPU); raises ValueError for "bfloat16" where it has none."""
+    if decode_dtype not in DECODE_DTYPES:
+        raise ValueError(f"decode_dtype must be one of {DECODE_DTYPES}, got {decode_dtype!r}")
+    if decode_dtype == "float32" or device != "cpu":
+        return False
+    here = gguf_kernels.has_bfloat16(gguf_kernels.load())
+    if decode_dtype == "bfloat16" and not here:
+        raise ValueError("decode_dtype bfloat16 needs a CPU with AVX512-BF16 and a C compiler"
+                         " (the GGUF kernels' avx512bf16 build); use auto or float32")
+    return here
 
 
 class DenseLinear:
@@ -97,13 +119,15 @@ class Int8Linear:
 
 
 class GGUFLinear:
-    """The file's own blocks, multiplied by gguf_kernels (dequantized in registers); with
-    `prefill_bf16`, a bfloat16 copy for a step's prompt rows (see the module docstring)."""
+    """The file's own blocks, multiplied by gguf_kernels (dequantized in registers; in bfloat16
+    arithmetic with `decode_bf16`); with `prefill_bf16`, a bfloat16 copy for a step's prompt
+    rows (see the module docstring)."""
 
-    __slots__ = ("weight", "out_dtype", "_lib", "_bf16")
+    __slots__ = ("weight", "out_dtype", "_lib", "_bf16", "_decode_bf16")
 
-    def __init__(self, weight: GGUFWeight, out_dtype: torch.dtype, lib, prefill_bf16: bool = False):
-        self.weight, self.out_dtype, self._lib = weight, out_dtype, lib
+    def __init__(self, weight: GGUFWeight, out_dtype: torch.dtype, lib, prefill_bf16: bool = False,
+                 decode_bf16: bool = False):
+        self.weight, self.out_dtype, self._lib, self._decode_bf16 = weight, out_dtype, lib, decode_bf16
         self._bf16 = (gguf_kernels.dequantize(lib, weight).to(torch.bfloat16).contiguous()
                       if prefill_bf16 else None)
 
@@ -111,25 +135,28 @@ class GGUFLinear:
         """x: [T, in]; its first `prefill_rows` rows are prompt tokens, the rest decodes."""
         x = x.float()
         if self._bf16 is None or prefill_rows < PREFILL_MIN_ROWS:
-            y = gguf_kernels.linear(self._lib, x, self.weight)
+            y = gguf_kernels.linear(self._lib, x, self.weight, self._decode_bf16)
         elif prefill_rows == x.shape[0]:
             y = F.linear(x.to(torch.bfloat16), self._bf16).float()
         else:
             y = torch.empty((x.shape[0], self.weight.shape[0]), dtype=torch.float32)
             y[:prefill_rows] = F.linear(x[:prefill_rows].to(torch.bfloat16), self._bf16)
-            y[prefill_rows:] = gguf_kernels.linear(self._lib, x[prefill_rows:], self.weight)
+            y[prefill_rows:] = gguf_kernels.linear(self._lib, x[prefill_rows:], self.weight,
+                                                   self._decode_bf16)
         return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
 
 
 def make_linear(weight: torch.Tensor | GGUFWeight, *, quantization: str, dtype: torch.dtype,
-                device: str, kernels: bool = True, prefill_bf16: bool = False):
+                device: str, kernels: bool = True, prefill_bf16: bool = False,
+                decode_bf16: bool = False):
     """weight: float [out, in], or a GGUF file's blocks (quantization "auto").
     kernels=False: torch ops only (the eager switch, for debugging and comparison).
-    prefill_bf16: GGUF linears keep a bfloat16 copy for prompt rows (`prefill_in_bfloat16`)."""
+    prefill_bf16: GGUF linears keep a bfloat16 copy for prompt rows (`prefill_in_bfloat16`).
+    decode_bf16: their other rows in bfloat16 arithmetic (`decode_in_bfloat16`)."""
     if isinstance(weight, GGUFWeight):
         lib = gguf_kernels.load() if kernels and device == "cpu" and quantization == "auto" else None
         if lib is not None:
-            return GGUFLinear(weight, dtype, lib, prefill_bf16)
+            return GGUFLinear(weight, dtype, lib, prefill_bf16, decode_bf16)
         # torch: the file's numbers, dequantized once
         return DenseLinear(weight.dequantize().to(device=device, dtype=dtype).contiguous())
     if quantization == "auto":  # float weights: int8 where the AVX2 kernel runs, else dense

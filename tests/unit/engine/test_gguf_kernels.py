@@ -10,8 +10,8 @@ import torch
 from services.engine import gguf_kernels
 from services.engine.gguf_kernels import FORMATS, ISAS, GGUFWeight
 from services.engine.loader import load_weights
-from services.engine.quant import (PREFILL_MIN_ROWS, DenseLinear, GGUFLinear, native_bfloat16,
-                                     prefill_in_bfloat16)
+from services.engine.quant import (PREFILL_MIN_ROWS, DenseLinear, GGUFLinear, decode_in_bfloat16,
+                                     native_bfloat16, prefill_in_bfloat16)
 from services.engine.runner import ModelRunner
 from tests.integration.engine_model import oracle
 from tests.unit.engine import tiny_models as tm
@@ -73,6 +73,59 @@ def test_a_rows_result_does_not_depend_on_the_batch(glib, kind):
     assert torch.equal(gguf_kernels.linear(glib, x[1:9], w), full[1:9])  # direct, two passes
 
 
+@pytest.fixture(scope="module")
+def bf16lib():
+    """The build with the bfloat16-arithmetic kernel; skipped where this CPU lacks AVX512-BF16."""
+    if "avx512bf16" not in gguf_kernels.runnable_isas():
+        pytest.skip("this CPU lacks avx512_bf16")
+    lib = gguf_kernels.load("avx512bf16")
+    assert gguf_kernels.has_bfloat16(lib), "the avx512bf16 build failed on a CPU that has it"
+    return lib
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_bfloat16_weights_are_the_files_numbers_rounded_to_nearest(bf16lib, kind):
+    w = blocks(kind, 37, 256)
+    assert torch.equal(gguf_kernels.dequantize_bf16(bf16lib, w), w.dequantize().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_bfloat16_linear_sums_the_rounded_products_in_float32(bf16lib, kind):
+    w = blocks(kind, 37, 512, seed=1)
+    ref_w = w.dequantize().to(torch.bfloat16).double()
+    x = torch.randn(13, 512)
+    for m in (0, 1, 2, 3, 4, 5, 7, 8, 9, 13):
+        y = gguf_kernels.linear(bf16lib, x[:m], w, bf16=True)
+        ref = (x[:m].to(torch.bfloat16).double() @ ref_w.T).float()
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref_w.abs().max().item() * 8)
+        if m:  # and not the float32 arithmetic
+            assert not torch.equal(y, gguf_kernels.linear(bf16lib, x[:m], w))
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_a_rows_bfloat16_result_does_not_depend_on_the_batch(bf16lib, kind):
+    w = blocks(kind, 50, 256, seed=2)
+    x = torch.randn(17, 256)
+    full = gguf_kernels.linear(bf16lib, x, w, bf16=True)  # panel tiles
+    for i in range(17):
+        assert torch.equal(gguf_kernels.linear(bf16lib, x[i:i + 1], w, bf16=True)[0], full[i])
+    assert torch.equal(gguf_kernels.linear(bf16lib, x[2:5], w, bf16=True), full[2:5])
+    assert torch.equal(gguf_kernels.linear(bf16lib, x[1:9], w, bf16=True), full[1:9])  # direct
+
+
+def test_decode_dtype_follows_the_cpu_unless_chosen():
+    here = gguf_kernels.has_bfloat16(gguf_kernels.load())
+    assert decode_in_bfloat16("auto", "cpu") == here
+    assert not decode_in_bfloat16("float32", "cpu") and not decode_in_bfloat16("auto", "cuda")
+    if here:
+        assert decode_in_bfloat16("bfloat16", "cpu")
+    else:
+        with pytest.raises(ValueError, match="AVX512-BF16"):
+            decode_in_bfloat16("bfloat16", "cpu")
+    with pytest.raises(ValueError, match="decode_dtype"):
+        decode_in_bfloat16("float16", "cpu")
+
+
 def test_weight_checks_its_blocks():
     w = blocks("Q4_1", 8, 64)  # one row: two blocks of 32
     with pytest.raises(ValueError, match="do not hold"):
@@ -97,7 +150,9 @@ def test_loader_keeps_blocks_in_the_float_paths_row_order(tmp_path, qtype):
 
 def test_default_mode_serves_the_files_blocks(tmp_path):
     path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(0), "Q4_1", tokenizer=True)
-    fast = ModelRunner(path, num_blocks=32, num_threads=1, quantization="auto")
+    # float32 arithmetic on the blocks: the float32-dequantized model's numbers, summed in
+    # another order (the default's bfloat16 arithmetic: the test below)
+    fast = ModelRunner(path, num_blocks=32, num_threads=1, quantization="auto", decode_dtype="float32")
     exact = ModelRunner(path, num_blocks=32, num_threads=1)
     eager = ModelRunner(path, num_blocks=32, num_threads=1, quantization="auto", kernels=False)
     layer = fast.model.layers[0]
@@ -110,6 +165,16 @@ def test_default_mode_serves_the_files_blocks(tmp_path):
     for r in (fast, eager):
         torch.testing.assert_close(oracle.runner_last_logits(r, prompt), a, rtol=1e-3, atol=1e-3)
     assert oracle.runner_greedy(fast, prompt, 12) == oracle.runner_greedy(exact, prompt, 12)
+
+
+def test_default_mode_multiplies_in_bfloat16_where_the_cpu_does(tmp_path, bf16lib):
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(0), "Q4_1", tokenizer=True)
+    default = ModelRunner(path, num_blocks=32, num_threads=1, quantization="auto")
+    f32 = ModelRunner(path, num_blocks=32, num_threads=1, quantization="auto", decode_dtype="float32")
+    prompt = [5, 17, 33, 2 + 40, 61, 7]
+    a, b = oracle.runner_last_logits(default, prompt), oracle.runner_last_logits(f32, prompt)
+    assert not torch.equal(a, b)  # bfloat16 arithmetic really used
+    torch.testing.assert_close(a, b, rtol=0, atol=0.1)  # within its rounding
 
 
 def test_float_weights_fall_back_to_int8(tmp_path):
