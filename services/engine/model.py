@@ -69,10 +69,10 @@ class LlamaModel:
                 down=lin(p + "w_down"),
             ))
         fusable = dtype == torch.float32 and device == "cpu" and c.hidden_size % 8 == 0
-        self._kernels = cpu_kernels.load() if fusable and fused_kernels else None
+        self.cpu_kernels = cpu_kernels.load() if fusable and fused_kernels else None
         self._paged = _paged_decode(decode_attention, device)
         self.decode_attention = "triton" if self._paged is not None else (
-            "cpu-kernel" if self._kernels is not None else "gather")
+            "cpu-kernel" if self.cpu_kernels is not None else "gather")
         cos, sin = rope_tables(c, t.get("rope_freqs"))
         self.rope_cos = cos.to(device=device, dtype=dtype)  # [max_position, D]
         self.rope_sin = sin.to(device=device, dtype=dtype)  # [max_position, D], first half negated
@@ -100,7 +100,7 @@ class LlamaModel:
             k = qk[:, c.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(t, c.num_kv_heads, c.head_dim)
             write_kv(kv.k[i], kv.v[i], k, v, meta.slots)
-            attn = attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self._kernels,
+            attn = attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self.cpu_kernels,
                           self._paged)  # [T, H * D]
             h = self._norm(x, layer.o(attn, p), layer.ffn_norm)
             mlp = layer.down(self._silu_mul(layer.gate_up(h, p)), p)
@@ -114,15 +114,15 @@ class LlamaModel:
         return self.lm_head(x).float()
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self._kernels is not None:
-            return cpu_kernels.silu_mul(self._kernels, gate_up)
+        if self.cpu_kernels is not None:
+            return cpu_kernels.silu_mul(self.cpu_kernels, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
         """x += delta (in place), then RMSNorm(x) * w. One fused call on float32 CPU."""
-        if self._kernels is not None:
-            return cpu_kernels.add_rmsnorm(self._kernels, x, delta, w, self.config.rms_eps)
+        if self.cpu_kernels is not None:
+            return cpu_kernels.add_rmsnorm(self.cpu_kernels, x, delta, w, self.config.rms_eps)
         if delta is not None:
             x.add_(delta)
         return F.rms_norm(x, (self.config.hidden_size,), w, self.config.rms_eps)

@@ -56,3 +56,34 @@ def test_float16_cache_kernel_matches_torch_on_the_same_cache(lib, ctx_lens):
     ref = _decode(q, cache_k.float(), cache_v.float(), meta, d ** -0.5, group, None)
     assert fast.dtype == torch.float32
     assert torch.allclose(fast, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_short_prompt_chunks_attend_through_the_kernel_as_through_torch(lib):
+    """A step with fresh prompts, a continuation and a prompt too long for the kernel, then a
+    decode: paged_prompts gives each prompt row the attention torch's causal kernel gives it."""
+    from services.engine.attention import PAGED_PROMPT_MAX_CTX, attend, write_kv
+
+    g = torch.Generator().manual_seed(3)
+    bs, nblk, hkv, group, d = 16, 64, 3, 3, 64
+    long_len = PAGED_PROMPT_MAX_CTX + 20
+    spans = [(0, 9, [3, 4]), (0, 9, [5, 6]), (20, 11, [7, 8, 9]), (0, long_len, list(range(10, 28))),
+             (0, 5, [30]), (40, 1, [31, 32, 33])]
+    t = sum(n for _, n, _ in spans)
+    cache_k = torch.zeros(nblk, bs, hkv, d)
+    cache_v = torch.zeros(nblk, bs, hkv, d)
+    for start, _, table in spans:  # cached context before each chunk
+        for p in range(start):
+            cache_k[table[p // bs], p % bs] = torch.randn(hkv, d, generator=g)
+            cache_v[table[p // bs], p % bs] = torch.randn(hkv, d, generator=g)
+    q = torch.randn(t, hkv * group, d, generator=g)
+    k = torch.randn(t, hkv, d, generator=g)
+    v = torch.randn(t, hkv, d, generator=g)
+    outs = []
+    for paged in (True, False):
+        meta = build_metadata(spans, bs, "cpu", paged_prompts=paged)
+        write_kv(cache_k, cache_v, k, v, meta.slots)
+        outs.append(attend(q, k, v, cache_k, cache_v, meta, d ** -0.5, lib))
+        if paged:
+            assert [s.paged for s in meta.prefills] == [True, True, True, False, True]
+            assert [(r.start, r.end) for r in meta.paged_prompts] == [(0, 29), (29 + long_len, 34 + long_len)]
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-4)

@@ -33,12 +33,12 @@ def reference(runner: ModelRunner, ids: list[int]):
     return runner.execute(Batch([chunk(999, ids, 0, table)])).sampled[999]
 
 
-def assert_same(a, b):
+def assert_same(a, b, tol=1e-4):
     assert a.token_id == b.token_id
-    assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert a.logprob == pytest.approx(b.logprob, abs=tol)
     assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
     for x, y in zip(a.top, b.top):
-        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert x.logprob == pytest.approx(y.logprob, abs=tol)
 
 
 def test_chunked_prefill_on_scattered_blocks_matches_one_prefill(runner):
@@ -149,4 +149,6 @@ def test_c_kernels_match_torch_ops(tmp_path, quant):
         r.execute(Batch([chunk(2, ids[9:10], 9, [20, 21, 22])]))
     a = fast.execute(Batch([chunk(1, ids[20:], 20, list(range(8)))])).sampled[1]
     b = eager.execute(Batch([chunk(1, ids[20:], 20, list(range(8)))])).sampled[1]
-    assert_same(a, b)
+    # the kernels' prompt rows read K/V back from the cache (float16 with int8), as decode rows
+    # do; torch's attend to the fresh float32 ones
+    assert_same(a, b, tol=1e-3 if fast.kv_cache_dtype == "float16" else 1e-4)
