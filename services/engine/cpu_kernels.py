@@ -7,6 +7,8 @@ int8_linear:  y[m, n] = scale[n] * sum_k x[m, k] * q[n, k], with q packed by `pa
 paged_decode_attention: one query per sequence against its K/V read in place through its
               block table (torch would gather every block into a padded copy per layer)
 add_rmsnorm:  x += delta (in place, when given); out = x * rsqrt(mean(x^2) + eps) * w
+rope_write_kv: RoPE on a step's query and key heads in place, then its K/V into their cache
+              slots (float32 or float16), one pass per layer
 silu_mul, argmax_rows: the MLP activation and greedy sampling in one pass each
               one call instead of torch's ~6 kernel launches per norm, per layer, per token
 
@@ -103,6 +105,8 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         lib.argmax_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.add_rmsnorm.restype = None
         lib.add_rmsnorm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        lib.rope_write_kv.restype = None
+        lib.rope_write_kv.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] + [ctypes.c_int64] * 4
         _lib = lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("cpu_kernels_unavailable", reason=f"{type(e).__name__}: {e}"[:300])
@@ -179,3 +183,21 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, cache_k: torch.Ten
     fn(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), tables.data_ptr(),
        ctx.data_ptr(), out.data_ptr(), b, h, hkv, d, bs, tables.shape[1], scale)
     return out
+
+
+def rope_fits(head_dim: int, cache_dtype: torch.dtype) -> bool:
+    """Whether `rope_write_kv` serves this model and cache."""
+    return head_dim % 16 == 0 and cache_dtype in (torch.float32, torch.float16)
+
+
+def rope_write_kv(lib: ctypes.CDLL, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, slots: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """qkv: float32 contiguous [T, (H + 2 Hkv) * D]: its query and key heads rotated in place
+    (cos, sin: [P, D], sin's first half negated; positions: int64 [T]), then its keys and
+    values written to cache_k/cache_v ([num_blocks, block_size, Hkv, D], float32 or float16)
+    at slots (int64 [T])."""
+    lib.rope_write_kv(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                      slots.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
+                      int(cache_k.dtype == torch.float16), qkv.shape[0], num_heads, num_kv_heads,
+                      head_dim)

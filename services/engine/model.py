@@ -87,19 +87,28 @@ class LlamaModel:
         c = self.config
         t = input_ids.shape[0]
         nq = c.num_heads + c.num_kv_heads  # heads that get RoPE
-        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.rope_sin[positions].unsqueeze(1)
+        fused = self.cpu_kernels is not None and cpu_kernels.rope_fits(c.head_dim, kv.k[0].dtype)
+        if not fused:
+            cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
+            sin = self.rope_sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)  # [T, E], residual stream (updated in place)
         h = self._norm(x, None, self.layers[0].attn_norm)
         p = meta.decode_start  # rows [0, p) are prompt tokens, [p, T) decodes
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h, p)  # [T, (H + 2 Hkv) D]
-            qk = qkv[:, :self.q_size + self.kv_size].view(t, nq, c.head_dim)
-            qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)  # RoPE, rotate-half
+            if fused:  # RoPE in place, K/V into the cache: one pass
+                cpu_kernels.rope_write_kv(self.cpu_kernels, qkv, positions, self.rope_cos, self.rope_sin,
+                                          meta.slots, kv.k[i], kv.v[i], c.num_heads, c.num_kv_heads,
+                                          c.head_dim)
+                qk = qkv[:, :self.q_size + self.kv_size].view(t, nq, c.head_dim)
+            else:
+                qk = qkv[:, :self.q_size + self.kv_size].view(t, nq, c.head_dim)
+                qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)  # RoPE, rotate-half
             q = qk[:, :c.num_heads]
             k = qk[:, c.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(t, c.num_kv_heads, c.head_dim)
-            write_kv(kv.k[i], kv.v[i], k, v, meta.slots)
+            if not fused:
+                write_kv(kv.k[i], kv.v[i], k, v, meta.slots)
             attn = attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self.cpu_kernels,
                           self._paged)  # [T, H * D]
             h = self._norm(x, layer.o(attn, p), layer.ffn_norm)

@@ -333,3 +333,49 @@ void add_rmsnorm(float *x, const float *delta, const float *w, float *out,
         }
     }
 }
+
+/* RoPE on a step's query and key heads, in place, then its keys and values into their cache
+   slots (one pass instead of torch's roll, multiply, addcmul, two conversions and two
+   index copies per layer).
+   qkv: [T, (H + 2 Hkv) * D] float32, rows contiguous: H query heads, Hkv key heads, Hkv
+   value heads. cos, sin: [P, D] (rotate-half layout, sin's first half negated); pos: [T].
+   Head x becomes x * cos + roll(x, D / 2) * sin, rounded as torch's addcmul over x * cos
+   rounds it (x * cos, then one fused multiply-add). kc, vc: the layer's cache, [slots, Hkv, D] of
+   float32, or float16 when f16 (converted to nearest); slots: [T]. D % 16 == 0. */
+__attribute__((optimize("fp-contract=off")))
+void rope_write_kv(float *qkv, const int64_t *pos, const float *cos, const float *sin,
+                   const int64_t *slots, void *kc, void *vc, int f16, int64_t T, int64_t H,
+                   int64_t Hkv, int64_t D) {
+    int64_t width = (H + 2 * Hkv) * D, half = D / 2, kv = Hkv * D;
+    #pragma omp parallel for schedule(dynamic) if (T * width >= PARALLEL_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * width;
+        const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
+        for (int64_t h = 0; h < H + Hkv; h++) {
+            float *x = row + h * D;
+            for (int64_t i = 0; i < half; i += 8) {
+                __m256 lo = _mm256_loadu_ps(x + i), hi = _mm256_loadu_ps(x + half + i);
+                __m256 nlo = _mm256_fmadd_ps(hi, _mm256_loadu_ps(s + i), _mm256_mul_ps(lo, _mm256_loadu_ps(c + i)));
+                __m256 nhi = _mm256_fmadd_ps(lo, _mm256_loadu_ps(s + half + i),
+                                             _mm256_mul_ps(hi, _mm256_loadu_ps(c + half + i)));
+                _mm256_storeu_ps(x + i, nlo);
+                _mm256_storeu_ps(x + half + i, nhi);
+            }
+        }
+        const float *k = row + H * D, *v = k + kv;
+        int64_t at = slots[t] * kv;
+        if (f16) {
+            uint16_t *kd = (uint16_t *)kc + at, *vd = (uint16_t *)vc + at;
+            for (int64_t i = 0; i < kv; i += 8) {
+                _mm_storeu_si128((__m128i *)(kd + i), _mm256_cvtps_ph(_mm256_loadu_ps(k + i), _MM_FROUND_TO_NEAREST_INT));
+                _mm_storeu_si128((__m128i *)(vd + i), _mm256_cvtps_ph(_mm256_loadu_ps(v + i), _MM_FROUND_TO_NEAREST_INT));
+            }
+        } else {
+            float *kd = (float *)kc + at, *vd = (float *)vc + at;
+            for (int64_t i = 0; i < kv; i += 8) {
+                _mm256_storeu_ps(kd + i, _mm256_loadu_ps(k + i));
+                _mm256_storeu_ps(vd + i, _mm256_loadu_ps(v + i));
+            }
+        }
+    }
+}

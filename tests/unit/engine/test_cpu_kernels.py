@@ -26,3 +26,31 @@ def test_silu_mul_matches_torch(lib):
     gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.allclose(cpu_kernels.silu_mul(lib, gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_rope_write_kv_equals_torchs_rope_and_cache_writes(lib, cache_dtype):
+    from services.engine.attention import write_kv
+    from services.engine.loader import ModelConfig
+    from services.engine.model import rope_tables
+
+    g = torch.Generator().manual_seed(5)
+    h, hkv, d, t = 6, 2, 64, 7
+    cos, sin = rope_tables(ModelConfig(name="m", vocab_size=8, hidden_size=h * d, intermediate_size=8,
+                                       num_layers=1, num_heads=h, num_kv_heads=hkv, head_dim=d,
+                                       rms_eps=1e-5, rope_theta=10000.0, max_position=64,
+                                       tie_embeddings=True))
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g)
+    positions = torch.tensor([0, 5, 6, 7, 30, 31, 63])
+    slots = torch.tensor([3, 9, 10, 11, 40, 41, 62])
+    caches = [torch.zeros(16, 4, hkv, d, dtype=cache_dtype) for _ in range(4)]
+
+    ref = qkv.clone()
+    qk = ref[:, :(h + hkv) * d].view(t, h + hkv, d)
+    rotated = torch.addcmul(qk * cos[positions].unsqueeze(1), qk.roll(d // 2, -1), sin[positions].unsqueeze(1))
+    write_kv(caches[0], caches[1], rotated[:, h:], ref[:, (h + hkv) * d:].view(t, hkv, d), slots)
+    qk.copy_(rotated)
+
+    cpu_kernels.rope_write_kv(lib, qkv, positions, cos, sin, slots, caches[2], caches[3], h, hkv, d)
+    assert torch.equal(qkv, ref)  # rounded as torch rounds it
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
