@@ -28,7 +28,10 @@ the rest 64). Every peer gets the same token ids.
     start (1.5-2 min here: 0.32.0 fails to reload its own AOT compile cache).
 --peers picks the in-process and engine peers; the server peers run whenever their path is
 given (`--peers none --vllm-python ...` runs vLLM alone).
-Aggregate tokens/s = generated tokens / wall time of the workload. Medians over --runs.
+Aggregate tokens/s = generated tokens / wall time of the workload. Every peer is started
+first; then each of --runs rounds runs every peer on every workload in turn (a slow phase
+of a shared machine falls on all peers alike); medians over the rounds, each round's
+tokens/s in the JSON.
 Prefix caching is off in the engine (distinct prompts per stream anyway).
 The JSON records the CPU flags, the measured copy bandwidth and the one-stream roofline
 (bandwidth / bytes of weights the default engine reads per token, bench/machine.py), and the
@@ -391,23 +394,26 @@ def median_runs(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def measure(peer: str, run, loads: dict[str, list[list[int]]], runs: int, new_tokens: int,
-            server=None) -> dict:
-    """run(prompts, new_tokens) -> summary; a 4-token warm-up, then each workload `runs`
-    times, keeping the medians. `server` (a peer process with wait/stop) is waited for first
-    and stopped at the end, whatever happens."""
-    try:
-        if server is not None:
-            server.wait()
+def measure_all(peers: dict, loads: dict[str, list[list[int]]], runs: int, new_tokens: int) -> dict:
+    """peers: name -> run(prompts, new_tokens) -> summary. A 4-token warm-up each, then `runs`
+    rounds, each running every peer on every workload in turn, so a slow phase of a shared
+    machine falls on all peers alike; the medians per peer and workload, with every run's
+    tokens/s."""
+    for run in peers.values():
         run(next(iter(loads.values()))[:1], 4)
-        out = {}
-        for name, prompts in loads.items():
-            out[name] = median_runs([run(prompts, new_tokens) for _ in range(runs)])
-            print(peer, name, _fmt(out[name]), flush=True)
-        return out
-    finally:
-        if server is not None:
-            server.stop()
+    samples: dict[str, dict[str, list[dict]]] = {p: {w: [] for w in loads} for p in peers}
+    for r in range(runs):
+        for peer, run in peers.items():
+            for name, prompts in loads.items():
+                samples[peer][name].append(run(prompts, new_tokens))
+                print(f"run {r}", peer, name, _fmt(samples[peer][name][-1]), flush=True)
+    out = {}
+    for peer, per in samples.items():
+        out[peer] = {name: {**median_runs(rs), "tok_per_s_runs": [round(x["tok_per_s"], 1) for x in rs]}
+                     for name, rs in per.items()}
+        for name, m in out[peer].items():
+            print("median", peer, name, _fmt(m), flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -436,44 +442,44 @@ def main(argv=None) -> int:
     if not a.mixed:
         del loads["mixed16"]
     peers = a.peers.split(",")
-    results: dict[str, dict[str, dict]] = {}
     RESULTS.mkdir(parents=True, exist_ok=True)
     facts = machine_facts(default_model_path())
     print("machine:", {k: v for k, v in facts.items() if k != "cpu_flags"}, flush=True)
 
-    if "tokenserve" in peers:
-        log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.engine.log"
-        print("engine log:", log_path, flush=True)
-        eng = Engine(["--max-concurrency", str(max(64, *conc)), *a.engine_arg], log_path)
-        results["tokenserve"] = measure(
-            "tokenserve", lambda ps, n: asyncio.run(run_tokenserve(eng.target, ps, n)),
-            loads, a.runs, a.new_tokens, server=eng)
-    if a.llama_server:
-        log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.llama-server.log"
-        ctx = max(len(p) for ps in loads.values() for p in ps) + a.new_tokens + 16
-        srv = LlamaServer(a.llama_server, max(conc), ctx, log_path)
-        results["llama.cpp-server"] = measure(
-            "llama.cpp-server", lambda ps, n: asyncio.run(run_llama_server(srv.port, ps, n)),
-            loads, a.runs, a.new_tokens, server=srv)
-    vllm_info = None
-    if a.vllm_python:
-        vllm_info = {"python": a.vllm_python, "model": a.vllm_model, "dtype": a.vllm_dtype,
-                     "version": vllm_version(a.vllm_python)}
-        log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.vllm.log"
-        print("vLLM log:", log_path, vllm_info, flush=True)
-        vsrv = VllmServer(a.vllm_python, a.vllm_model, a.vllm_dtype, max(64, *conc), log_path)
-        results["vllm"] = measure(
-            "vllm", lambda ps, n: asyncio.run(run_vllm(vsrv.port, a.vllm_model, ps, n)),
-            loads, a.runs, a.new_tokens, server=vsrv)
-    for peer in peers:
-        if not peer.startswith("transformers-"):
-            continue
-        import torch
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
-        model = load_transformers(peer.split("-", 1)[1])
-        results[peer] = measure(peer, lambda ps, n: run_transformers(model, ps, n),
-                                loads, a.runs, a.new_tokens)
-        del model
+    servers, runs, vllm_info = [], {}, None
+    try:
+        if "tokenserve" in peers:
+            log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.engine.log"
+            print("engine log:", log_path, flush=True)
+            eng = Engine(["--max-concurrency", str(max(64, *conc)), *a.engine_arg], log_path)
+            servers.append(eng)
+            runs["tokenserve"] = lambda ps, n: asyncio.run(run_tokenserve(eng.target, ps, n))
+        if a.llama_server:
+            log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.llama-server.log"
+            ctx = max(len(p) for ps in loads.values() for p in ps) + a.new_tokens + 16
+            srv = LlamaServer(a.llama_server, max(conc), ctx, log_path)
+            servers.append(srv)
+            runs["llama.cpp-server"] = lambda ps, n: asyncio.run(run_llama_server(srv.port, ps, n))
+        if a.vllm_python:
+            vllm_info = {"python": a.vllm_python, "model": a.vllm_model, "dtype": a.vllm_dtype,
+                         "version": vllm_version(a.vllm_python)}
+            log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.vllm.log"
+            print("vLLM log:", log_path, vllm_info, flush=True)
+            vsrv = VllmServer(a.vllm_python, a.vllm_model, a.vllm_dtype, max(64, *conc), log_path)
+            servers.append(vsrv)
+            runs["vllm"] = lambda ps, n: asyncio.run(run_vllm(vsrv.port, a.vllm_model, ps, n))
+        for srv in servers:  # started together, waited for one by one
+            srv.wait()
+        for peer in peers:
+            if peer.startswith("transformers-"):
+                import torch
+                torch.set_num_threads(len(os.sched_getaffinity(0)))
+                model = load_transformers(peer.split("-", 1)[1])
+                runs[peer] = lambda ps, n, model=model: run_transformers(model, ps, n)
+        results = measure_all(runs, loads, a.runs, a.new_tokens)
+    finally:
+        for srv in servers:
+            srv.stop()
 
     report = {"benchmark": "engine_concurrency", "when": datetime.now(timezone.utc).isoformat(),
               "machine": {"platform": platform.platform(), "load_avg_at_end": os.getloadavg(),
