@@ -405,7 +405,11 @@ def measure_all(peers: dict, loads: dict[str, list[list[int]]], runs: int, new_t
     for r in range(runs):
         for peer, run in peers.items():
             for name, prompts in loads.items():
-                samples[peer][name].append(run(prompts, new_tokens))
+                got = run(prompts, new_tokens)
+                if got["tokens"] != len(prompts) * new_tokens:  # EOS is ignored: all or broken
+                    raise RuntimeError(f"{peer} {name}: {got['tokens']} tokens instead of"
+                                       f" {len(prompts) * new_tokens}")
+                samples[peer][name].append(got)
                 print(f"run {r}", peer, name, _fmt(samples[peer][name][-1]), flush=True)
     out = {}
     for peer, per in samples.items():
@@ -453,13 +457,13 @@ def main(argv=None) -> int:
             print("engine log:", log_path, flush=True)
             eng = Engine(["--max-concurrency", str(max(64, *conc)), *a.engine_arg], log_path)
             servers.append(eng)
-            runs["tokenserve"] = lambda ps, n: asyncio.run(run_tokenserve(eng.target, ps, n))
+            runs["tokenserve"] = lambda ps, n, eng=eng: asyncio.run(run_tokenserve(eng.target, ps, n))
         if a.llama_server:
             log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.llama-server.log"
             ctx = max(len(p) for ps in loads.values() for p in ps) + a.new_tokens + 16
             srv = LlamaServer(a.llama_server, max(conc), ctx, log_path)
             servers.append(srv)
-            runs["llama.cpp-server"] = lambda ps, n: asyncio.run(run_llama_server(srv.port, ps, n))
+            runs["llama.cpp-server"] = lambda ps, n, srv=srv: asyncio.run(run_llama_server(srv.port, ps, n))
         if a.vllm_python:
             vllm_info = {"python": a.vllm_python, "model": a.vllm_model, "dtype": a.vllm_dtype,
                          "version": vllm_version(a.vllm_python)}
@@ -467,9 +471,9 @@ def main(argv=None) -> int:
             print("vLLM log:", log_path, vllm_info, flush=True)
             vsrv = VllmServer(a.vllm_python, a.vllm_model, a.vllm_dtype, max(64, *conc), log_path)
             servers.append(vsrv)
-            runs["vllm"] = lambda ps, n: asyncio.run(run_vllm(vsrv.port, a.vllm_model, ps, n))
-        for srv in servers:  # started together, waited for one by one
-            srv.wait()
+            runs["vllm"] = lambda ps, n, vsrv=vsrv: asyncio.run(run_vllm(vsrv.port, a.vllm_model, ps, n))
+        for server in servers:  # started together, waited for one by one
+            server.wait()
         for peer in peers:
             if peer.startswith("transformers-"):
                 import torch
@@ -478,8 +482,8 @@ def main(argv=None) -> int:
                 runs[peer] = lambda ps, n, model=model: run_transformers(model, ps, n)
         results = measure_all(runs, loads, a.runs, a.new_tokens)
     finally:
-        for srv in servers:
-            srv.stop()
+        for server in servers:
+            server.stop()
 
     report = {"benchmark": "engine_concurrency", "when": datetime.now(timezone.utc).isoformat(),
               "machine": {"platform": platform.platform(), "load_avg_at_end": os.getloadavg(),
