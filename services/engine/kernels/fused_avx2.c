@@ -180,13 +180,36 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+/* A thread's scratch buffer, kept between calls and grown when a longer context needs more
+   (a malloc and free per task cost more than a short context's work). */
+static __thread void *scratch_buf;
+static __thread size_t scratch_bytes;
+static inline void *scratch(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        free(scratch_buf);
+        scratch_bytes = 2 * bytes;
+        scratch_buf = malloc(scratch_bytes);
+    }
+    return scratch_buf;
+}
+
+/* Both cache lines of a 64-value float16 row (the first of a float32 one). */
+static inline void prefetch_row(const void *p) {
+    _mm_prefetch((const char *)p, _MM_HINT_T0);
+    _mm_prefetch((const char *)p + 64, _MM_HINT_T0);
+}
+
 /* One query token per sequence over its paged K/V, read in place through its block table.
    q, out: [B, H, D]; kc, vc: [num_blocks, bs, Hkv, D] of float32 (paged_decode_attention) or
    float16 (paged_decode_attention_f16, converted as loaded); tables: [B, max_nb]; ctx: [B].
    Query head h uses KV head h / (H / Hkv). D % 8 == 0. Each (sequence, KV head) is one task:
    the offsets of its L cached rows (walked block by block, no division per row), scores for
    its G query heads (8 key rows at a time, independent FMA chains), softmax, then the
-   probability-weighted sum of V rows (64 output lanes held in registers). */
+   probability-weighted sum of V rows (64 output lanes held in registers). K rows are
+   prefetched 16 keys ahead and V rows 8 ahead: a head's row is 128 bytes every 384 (float16,
+   3 KV heads) scattered over the sequence's blocks, which the hardware prefetcher does not
+   run ahead of (16 decode rows at context 100, 30 layers with their own caches: 7.1 -> 5.8
+   ms; one row at 1,000: 4.6 -> 3.3 ms). */
 #define PAGED_DECODE_ATTENTION(NAME, T, LOAD)                                                             \
 void NAME(const float *q, const T *kc, const T *vc, const int64_t *tables,                                \
           const int64_t *ctx, float *out, int64_t B, int64_t H, int64_t Hkv,                              \
@@ -197,16 +220,19 @@ void NAME(const float *q, const T *kc, const T *vc, const int64_t *tables,      
         int64_t b = task / Hkv, hk = task % Hkv, L = ctx[b];                                              \
         const int64_t *table = tables + b * max_nb;                                                       \
         int64_t Lp = (L + 7) & ~(int64_t)7;                                                               \
-        float *p = (float *)malloc(sizeof(float) * G * Lp + sizeof(int64_t) * Lp);                        \
+        float *p = scratch(sizeof(float) * G * Lp + sizeof(int64_t) * Lp);                                \
         int64_t *off = (int64_t *)(p + G * Lp);                                                           \
         for (int64_t l = 0, blk = 0; l < L; blk++)                                                        \
             for (int64_t i = 0; i < bs && l < L; i++, l++) off[l] = (table[blk] * bs + i) * row + hk * D; \
         for (int64_t l = L; l < Lp; l++) off[l] = off[0];                                                 \
         const float *qb = q + (b * H + hk * G) * D;                                                       \
+        for (int64_t l = 0; l < 16 && l < L; l++) prefetch_row(kc + off[l]);                              \
         for (int64_t l0 = 0; l0 < L; l0 += 8) {                                                           \
             int64_t n = L - l0 < 8 ? L - l0 : 8;                                                          \
             const T *kr[8];                                                                               \
             for (int64_t i = 0; i < 8; i++) kr[i] = kc + off[l0 + i];                                     \
+            if (l0 + 16 < Lp)  /* 16 keys ahead (Lp is a multiple of 8: within off[]) */                 \
+                for (int64_t i = 0; i < 8; i++) prefetch_row(kc + off[l0 + 16 + i]);                      \
             for (int64_t g = 0; g < G; g++) {                                                             \
                 const float *qg = qb + g * D;                                                             \
                 __m256 a[8];                                                                              \
@@ -236,6 +262,7 @@ void NAME(const float *q, const T *kc, const T *vc, const int64_t *tables,      
                 for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();                                 \
                 for (int64_t l = 0; l < L; l++) {                                                         \
                     const T *vr = vc + off[l] + d0;                                                       \
+                    prefetch_row(vc + off[l + 8 < L ? l + 8 : l] + d0);                                   \
                     __m256 w = _mm256_set1_ps(pg[l]);                                                     \
                     for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(w, LOAD(vr + 8 * i), acc[i]);    \
                 }                                                                                         \
@@ -249,7 +276,6 @@ void NAME(const float *q, const T *kc, const T *vc, const int64_t *tables,      
                 _mm256_storeu_ps(o + d0, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));                        \
             }                                                                                             \
         }                                                                                                 \
-        free(p);                                                                                          \
     }                                                                                                     \
 }
 
