@@ -56,9 +56,11 @@ class EngineConfig:
     # Requests waiting beyond max_concurrency; the servicer refuses one more with
     # RESOURCE_EXHAUSTED.
     max_waiting: int = 256
-    # Tokens computed per step across all requests: bounds how long one prefill chunk
-    # delays running decodes.
-    max_batched_tokens: int = 256
+    # Tokens computed per step across all requests (the chunked-prefill budget). While
+    # requests decode, itl_target_ms keeps a step's prompt tokens far below it; a burst on an
+    # idle engine is prefilled in steps this large (16 x 64 prompt tokens on 2 cores, A/B in
+    # one process: first tokens 5% sooner and 5% more tokens/s than in steps of 256).
+    max_batched_tokens: int = 1024
     # While requests decode, a step's prompt tokens are limited so it is expected to take at
     # most this long (learned from step timings); 0: only max_batched_tokens bounds them.
     itl_target_ms: float = 100.0

@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                    help="CPU threads for the model (default: all cores available)")
     p.add_argument("--max-concurrency", type=int, default=64)
     p.add_argument("--max-waiting", type=int, default=256)
-    p.add_argument("--max-batched-tokens", type=int, default=256,
+    p.add_argument("--max-batched-tokens", type=int, default=1024,
                    help="tokens per step (the prefill chunk bound)")
     p.add_argument("--itl-target-ms", type=float, default=100.0,
                    help="while requests decode, limit the prompt tokens computed beside them so"

@@ -77,7 +77,7 @@ class SchedulerConfig:
     # Most sequences running at once (batch rows).
     max_num_seqs: int = 64
     # Tokens computed per step across all sequences (the chunked-prefill budget).
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int = 1024
     # Model context: a sequence stops with LENGTH when it fills it.
     max_model_len: int = 2048
     # Free blocks kept back when admitting new sequences, so running ones can grow.
