@@ -1,6 +1,6 @@
 """Single-stream CPU speed of tokenserve's ModelRunner vs transformers, in the same run.
 
-    python bench/engine_cpu.py [--runs 3] [--decode 64] [--threads 2] [--skip-hf]
+    python bench/engine_cpu.py [--runs 3] [--decode 64] [--threads 2] [--skip-hf] [--llama-bench PATH]
 
 Same GGUF (SmolLM2-135M-Instruct Q4_1), same prompt token ids for every peer, EOS ignored.
 Per run and configuration:
@@ -8,12 +8,15 @@ Per run and configuration:
     token; transformers = generate(max_new_tokens=1).
   - decode tok/s after the 128-token prompt: ours = `--decode` one-token steps;
     transformers = (generate(1 + decode, min_new_tokens) - TTFT) / decode.
-Configurations: `default` (the service's defaults: the GGUF file's own blocks, float16 KV),
-`float32` (--exact), `int8`, `bfloat16`.
+Configurations: `default` (the service's defaults: the GGUF file's own blocks, in bfloat16
+arithmetic where the CPU has AVX512-BF16, float16 KV), `blocks-float32` (the same blocks in
+float32 arithmetic), `float32` (--exact), `int8`, `bfloat16`. No speculative decoding here:
+one token per step.
 Medians over runs, configurations interleaved inside each run. Quality of the faster
 settings: greedy agreement with float32 (--exact), teacher-forced (each position's argmax given
 the float32 prefix) over 64 tokens of three prompts.
-llama.cpp (llama-cpp-python) is measured only if it is importable (see shared/BENCH.md).
+llama.cpp in-process: its llama-bench binary with --llama-bench (same Q4_1 file and threads),
+else llama-cpp-python if importable (see shared/BENCH.md).
 Writes bench/results/engine_cpu.json and bench/results/engine_cpu.png.
 """
 from __future__ import annotations
@@ -138,6 +141,36 @@ class LlamaCpp:
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+class LlamaBench:
+    """llama.cpp in-process through its own llama-bench binary (`--llama-bench PATH`, built from
+    the same source tree as bench/build_llama_server.sh's server): prompt processing of 128
+    and 1,000 tokens (the TTFTs) and 64 generated tokens after a 128-token context (`-d`)."""
+
+    name = LlamaCpp.name
+
+    def __init__(self, binary: str, threads: int):
+        self.binary, self.threads = binary, threads
+
+    def measure(self, p128: list[int], p1000: list[int], n: int) -> dict[str, float] | None:
+        import subprocess
+        cmd = [self.binary, "-m", str(default_model_path()), "-t", str(self.threads), "-r", "1",
+               "-o", "json", "-p", "128,1000", "-n", "0"]
+        gen = [self.binary, "-m", str(default_model_path()), "-t", str(self.threads), "-r", "1",
+               "-o", "json", "-p", "0", "-n", str(n), "-d", str(len(p128))]
+        out = {}
+        try:
+            for rec in json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                                                 check=True).stdout):
+                out[f"ttft_{rec['n_prompt']}_s"] = rec["avg_ns"] / 1e9
+            rec = json.loads(subprocess.run(gen, capture_output=True, text=True, timeout=900,
+                                            check=True).stdout)[0]
+            out["decode_tok_s"] = rec["avg_ts"]
+        except (subprocess.SubprocessError, OSError, ValueError, KeyError, IndexError) as e:
+            print(f"llama-bench failed: {type(e).__name__}: {e}"[:300], flush=True)
+            return None
+        return out
+
+
 def llama_cpp_child() -> None:
     import numpy as np
     from llama_cpp import Llama
@@ -180,7 +213,10 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--configs", default="default,float32,int8,bfloat16")
+    ap.add_argument("--llama-bench", default=None,
+                    help="path of llama.cpp's llama-bench (built beside bench/build_llama_server.sh's"
+                         " server): llama.cpp in-process as a peer")
+    ap.add_argument("--configs", default="default,blocks-float32,float32,int8,bfloat16")
     ap.add_argument("--llama-cpp-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.llama_cpp_child:
@@ -193,11 +229,13 @@ def main() -> None:
     facts = machine_facts(path)
 
     peers: list = []
-    settings = {"default": ("float32", "auto"), "float32": ("float32", "none"),
-                "int8": ("float32", "int8"), "bfloat16": ("bfloat16", "none")}
+    settings = {"default": ("float32", "auto", "auto"), "blocks-float32": ("float32", "auto", "float32"),
+                "float32": ("float32", "none", "auto"), "int8": ("float32", "int8", "auto"),
+                "bfloat16": ("bfloat16", "none", "auto")}
     for cfg in args.configs.split(","):
-        dtype, quant = settings[cfg]
-        r = ModelRunner(path, dtype=dtype, quantization=quant, num_blocks=160, num_threads=args.threads)
+        dtype, quant, decode = settings[cfg]
+        r = ModelRunner(path, dtype=dtype, quantization=quant, num_blocks=160, num_threads=args.threads,
+                        decode_dtype=decode)
         peers.append(Ours(f"tokenserve {cfg}", r))
         print(f"loaded tokenserve {cfg} in {r.load_seconds:.1f}s", flush=True)
     if not args.skip_hf:
@@ -207,12 +245,14 @@ def main() -> None:
         peers.append(HF("transformers float32", m))
         import copy
         peers.append(HF("transformers bfloat16", copy.deepcopy(m).to(torch.bfloat16)))
-    llama = None
-    try:
-        import llama_cpp  # noqa: F401
-        llama = LlamaCpp(args.threads)
-    except ImportError:
-        print("llama.cpp: llama-cpp-python not installed; skipped (see shared/BENCH.md)", flush=True)
+    llama = LlamaBench(args.llama_bench, args.threads) if args.llama_bench else None
+    if llama is None:
+        try:
+            import llama_cpp  # noqa: F401
+            llama = LlamaCpp(args.threads)
+        except ImportError:
+            print("llama.cpp: neither --llama-bench nor llama-cpp-python; skipped (see shared/BENCH.md)",
+                  flush=True)
 
     names = [p.name for p in peers] + ([llama.name] if llama else [])
     samples: dict[str, dict[str, list[float]]] = {n: {"ttft_128_s": [], "ttft_1000_s": [], "decode_tok_s": []}
@@ -265,8 +305,10 @@ def main() -> None:
         "ratios": ratios, "greedy_agreement_vs_float32": quality,
         "roofline_fraction_one_stream": {n: round(m["decode_tok_s"] / facts["roofline_tok_s_one_stream"], 3)
                                          for n, m in medians.items()},
-        "llama_cpp": ("measured in this run (llama-cpp-python, in-process, argmax on its logits)" if llama_decode
-                      else "not measured; ratios use BENCH.md's 94 tok/s"),
+        "llama_cpp": (("measured in this run: llama-bench, in-process (tg after a 128-token context)"
+                       if isinstance(llama, LlamaBench) else
+                       "measured in this run (llama-cpp-python, in-process, argmax on its logits)")
+                      if llama_decode else "not measured; ratios use BENCH.md's 94 tok/s"),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "engine_cpu.json").write_text(json.dumps(result, indent=2))
