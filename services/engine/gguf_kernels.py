@@ -45,6 +45,9 @@ ISAS: dict[str, tuple[list[str], frozenset[str]]] = {
 _CFLAGS = ["-ffp-contract=off"]
 
 _libs: dict[str, ctypes.CDLL | None] = {}
+_interleaved: list[ctypes.CDLL | None] = []  # loaded once (kernels/gguf_interleaved.c)
+# Formats kernels/gguf_interleaved.c serves (its rows in groups of 16)
+INTERLEAVED_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def runnable_isas() -> list[str]:
@@ -83,6 +86,27 @@ def load(isa: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL |
         log.warning("gguf_kernels_unavailable", isa=isa, reason=f"{type(e).__name__}: {e}"[:300])
         lib = None
     _libs[isa] = lib
+    return lib
+
+
+def load_interleaved(cache_dir: Path | None = None) -> ctypes.CDLL | None:
+    """kernels/gguf_interleaved.c (decode rows over interleaved Q4_0/Q4_1/Q8_0 blocks, in
+    bfloat16 arithmetic on the file's exact weights), or None where the CPU lacks AVX512-BF16
+    or nothing compiles."""
+    if _interleaved:
+        return _interleaved[0]
+    lib = None
+    if "avx512bf16" in runnable_isas():
+        try:
+            lib = ctypes.CDLL(str(cpu_kernels.build("gguf_interleaved.c", [*ISAS["avx512bf16"][0], *_CFLAGS],
+                                                     cache_dir)))
+            lib.gguf_pack_il16.restype = lib.gguf_linear_il16.restype = ctypes.c_int
+            lib.gguf_pack_il16.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+            lib.gguf_linear_il16.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("gguf_interleaved_unavailable", reason=f"{type(e).__name__}: {e}"[:300])
+            lib = None
+    _interleaved.append(lib)
     return lib
 
 
@@ -157,3 +181,26 @@ def dequantize_bf16(lib: ctypes.CDLL, w: GGUFWeight) -> torch.Tensor:
     if lib.gguf_dequantize_bf16(FORMATS[w.kind][0], w.blocks.data_ptr(), out.data_ptr(), *w.shape) != 0:
         raise ValueError(f"gguf_dequantize_bf16 rejected a {w.kind} {w.shape} matrix")
     return out
+
+
+def pack_interleaved(lib: ctypes.CDLL, w: GGUFWeight) -> torch.Tensor | None:
+    """w's blocks interleaved 16 rows at a time for `linear_interleaved` (uint8, w's size), or
+    None where its format or row count does not fit (INTERLEAVED_FORMATS, rows a multiple of 16)."""
+    if w.kind not in INTERLEAVED_FORMATS or w.shape[0] % 16:
+        return None
+    out = torch.empty_like(w.blocks)
+    if lib.gguf_pack_il16(FORMATS[w.kind][0], w.blocks.data_ptr(), out.data_ptr(), *w.shape) != 0:
+        raise ValueError(f"gguf_pack_il16 rejected a {w.kind} {w.shape} matrix")
+    return out
+
+
+def linear_interleaved(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """x: float32 [M, K] (made contiguous) -> x @ w.T, float32 [M, N], with `packed` =
+    pack_interleaved(lib, w): the file's exact weights, x rounded to bfloat16, float32 sums."""
+    x = x.contiguous()
+    n, k = w.shape
+    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    if lib.gguf_linear_il16(FORMATS[w.kind][0], x.data_ptr(), packed.data_ptr(), y.data_ptr(),
+                            x.shape[0], n, k) != 0:
+        raise ValueError(f"gguf_linear_il16 rejected a {w.kind} {n}x{k} matrix")
+    return y

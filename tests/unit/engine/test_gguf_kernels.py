@@ -113,6 +113,53 @@ def test_a_rows_bfloat16_result_does_not_depend_on_the_batch(bf16lib, kind):
         assert torch.equal(gguf_kernels.linear(bf16lib, x[rows], w, bf16=True), full[rows])
 
 
+@pytest.fixture(scope="module")
+def illib():
+    """kernels/gguf_interleaved.c; skipped where this CPU lacks AVX512-BF16."""
+    if "avx512bf16" not in gguf_kernels.runnable_isas():
+        pytest.skip("this CPU lacks avx512_bf16")
+    lib = gguf_kernels.load_interleaved()
+    assert lib is not None, "the interleaved kernel failed to build on a CPU with AVX512-BF16"
+    return lib
+
+
+@pytest.mark.parametrize("kind", gguf_kernels.INTERLEAVED_FORMATS)
+def test_interleaved_linear_uses_the_exact_weights_and_bfloat16_inputs(illib, kind):
+    w = blocks(kind, 48, 512, seed=3)
+    packed = gguf_kernels.pack_interleaved(illib, w)
+    assert packed.shape == w.blocks.shape
+    exact = w.dequantize().double()
+    x = torch.randn(19, 512)
+    for m in (0, 1, 2, 5, 8, 9, 19):  # tiles of up to 8 input rows
+        y = gguf_kernels.linear_interleaved(illib, x[:m], packed, w)
+        ref = (x[:m].to(torch.bfloat16).double() @ exact.T).float()
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * exact.abs().max().item() * 8)
+    full = gguf_kernels.linear_interleaved(illib, x, packed, w)
+    for i in range(19):  # a row's result whatever else is in the batch
+        assert torch.equal(gguf_kernels.linear_interleaved(illib, x[i:i + 1], packed, w)[0], full[i])
+    assert torch.equal(gguf_kernels.linear_interleaved(illib, x[3:12], packed, w), full[3:12])
+
+
+def test_interleaving_needs_rows_in_sixteens_and_its_formats(illib):
+    assert gguf_kernels.pack_interleaved(illib, blocks("Q4_1", 40, 64)) is None
+    assert gguf_kernels.pack_interleaved(illib, blocks("Q4_K", 32, 256)) is None
+
+
+def test_decode_rows_of_a_q4_1_file_take_the_interleaved_kernel(illib):
+    """The default's decode rows: the file's exact weights (closer to float32 than the same
+    rows with each weight rounded to bfloat16); rows in no group of 16 keep the blocks."""
+    lib = gguf_kernels.load()
+    w = blocks("Q4_1", 64, 256, seed=4)
+    fast = GGUFLinear(w, torch.float32, lib, decode_bf16=True)
+    x = torch.randn(5, 256)
+    exact = (x.double() @ w.dequantize().double().T).float()
+    rounded = gguf_kernels.linear(lib, x, w, bf16=True)
+    assert torch.equal(fast(x), gguf_kernels.linear_interleaved(illib, x, gguf_kernels.pack_interleaved(illib, w), w))
+    assert (fast(x) - exact).abs().mean() < (rounded - exact).abs().mean()
+    odd = GGUFLinear(blocks("Q4_1", 40, 256), torch.float32, lib, decode_bf16=True)
+    assert torch.equal(odd(x), gguf_kernels.linear(lib, x, odd.weight, bf16=True))
+
+
 def test_decode_dtype_follows_the_cpu_unless_chosen():
     here = gguf_kernels.has_bfloat16(gguf_kernels.load())
     assert decode_in_bfloat16("auto", "cpu") == here
