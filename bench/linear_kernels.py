@@ -10,8 +10,9 @@ reads as many distinct bytes as the engine does) at batch 1, 16 and 64 rows, for
   int8pack       torch._weight_int8pack_mm (the op torchao's int8 weight-only CPU path uses)
   int4pack       torch._weight_int4pack_mm_for_cpu, group 32 (torchao's Int4CPULayout), bf16
   inductor int8  torch.compile of dequantize-then-matmul over int8 weights
-  gguf (own C)   gguf_kernels.linear over the file's own Q4_1 / Q8_0 blocks, float32
-                 arithmetic, and (where the CPU has AVX512-BF16) bfloat16 arithmetic, the default
+  gguf (own C)   gguf_kernels.linear over the file's own Q4_1 / Q8_0 blocks in float32
+                 arithmetic; where the CPU has AVX512-BF16 also in bfloat16 dot products, and
+                 the interleaved kernel (gguf_kernels.linear_interleaved, the default there)
 
 Medians of several repeats, all in one process; writes bench/results/linear_kernels.json
 (with the CPU flags) and a PNG.
@@ -129,9 +130,16 @@ def main() -> None:
     if glib is not None:
         candidates[f"gguf blocks (own C, {glib.gguf_isa().decode()})"] = per_width(
             lambda i: (lambda xs, b=blocks[i]: gguf_kernels.linear(glib, xs[b.shape[1]], b)))
-    if gguf_kernels.has_bfloat16(glib):  # the default on this CPU
-        candidates["gguf blocks, bfloat16 arithmetic (own C, the default)"] = per_width(
+    if gguf_kernels.has_bfloat16(glib):
+        candidates["gguf blocks, bfloat16 dot products (own C)"] = per_width(
             lambda i: (lambda xs, b=blocks[i]: gguf_kernels.linear(glib, xs[b.shape[1]], b, bf16=True)))
+    il = gguf_kernels.load_interleaved()
+    if il is not None:  # the default on this CPU, where every matrix interleaves
+        packed = [gguf_kernels.pack_interleaved(il, b) for b in blocks]
+        if all(p is not None for p in packed):
+            candidates["gguf blocks interleaved, bfloat16 (own C, the default)"] = per_width(
+                lambda i: (lambda xs, b=blocks[i], p=packed[i]:
+                           gguf_kernels.linear_interleaved(il, xs[b.shape[1]], p, b)))
     avx2 = gguf_kernels.load("avx2") if "avx2" in gguf_kernels.runnable_isas() else None
     if avx2 is not None and avx2 is not glib:
         candidates["gguf blocks (own C, avx2)"] = per_width(
