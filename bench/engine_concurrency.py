@@ -390,6 +390,25 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int) -> dict:
 
 
 # -- driver ------------------------------------------------------------------------------
+def _cpu_busy(window_s: float) -> float:
+    """Fraction of the machine's CPU time spent busy over the next window_s (/proc/stat)."""
+    def snap():
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(f), f[3] + f[4]  # total, idle + iowait
+    (t0, i0) = snap()
+    time.sleep(window_s)
+    (t1, i1) = snap()
+    return 1 - (i1 - i0) / max(1, t1 - t0)
+
+
+def settle(max_wait_s: float = 10.0) -> None:
+    """Wait until the CPUs are idle: a peer can keep a core spinning after its last request
+    (vLLM's CPU build does for about a second), which would slow whoever runs next."""
+    deadline = time.monotonic() + max_wait_s
+    while time.monotonic() < deadline and _cpu_busy(0.25) > 0.1:
+        pass
+
+
 def median_runs(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
@@ -397,14 +416,15 @@ def median_runs(runs: list[dict]) -> dict:
 def measure_all(peers: dict, loads: dict[str, list[list[int]]], runs: int, new_tokens: int) -> dict:
     """peers: name -> run(prompts, new_tokens) -> summary. A 4-token warm-up each, then `runs`
     rounds, each running every peer on every workload in turn, so a slow phase of a shared
-    machine falls on all peers alike; the medians per peer and workload, with every run's
-    tokens/s."""
+    machine falls on all peers alike, each workload starting on idle CPUs (`settle`); the
+    medians per peer and workload, with every run's tokens/s."""
     for run in peers.values():
         run(next(iter(loads.values()))[:1], 4)
     samples: dict[str, dict[str, list[dict]]] = {p: {w: [] for w in loads} for p in peers}
     for r in range(runs):
         for peer, run in peers.items():
             for name, prompts in loads.items():
+                settle()
                 got = run(prompts, new_tokens)
                 if got["tokens"] != len(prompts) * new_tokens:  # EOS is ignored: all or broken
                     raise RuntimeError(f"{peer} {name}: {got['tokens']} tokens instead of"
