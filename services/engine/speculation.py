@@ -39,7 +39,9 @@ moving averages); the scheduler verifies a draft's j-th token only while chance*
 what it adds to the step (`draft_tokens_worth`). `rate` is the same estimate over the
 sequence's own drafts. Below `min_acceptance` the sequence stops drafting for
 `retry_after` tokens, then probes again (the part of an edit that rewrites text is followed by
-a part that copies again).
+a part that copies again); while paused it still copies a strong match as long as its
+tenant's strong matches are accepted at least half the time (a tool call's values miss, the
+next key or repeated object is copied).
 
 Pure Python (no torch): the scheduler owns one drafter per speculating sequence.
 """
@@ -168,6 +170,10 @@ _MAX_SCORE = 32
 _CONTINUATION_EXTRA = 2
 # History draft tokens verified before their acceptance decides whether to keep searching it.
 _HISTORY_TRIAL = 24
+# While a sequence's drafting is paused, a strong match is still copied when strong matches
+# are accepted at least this often (the tenant's estimate): a tool call pauses on its
+# values, written by the model, and then copies the next key or a repeated object.
+_PAUSED_STRONG_CHANCE = 0.5
 
 
 def draft_tokens_worth(rate: float, min_yield: float, n: int) -> int:
@@ -234,11 +240,19 @@ class NgramDrafter:
         self._proposed_from, self._from_history, self.kind = None, False, None
         cfg = self.config
         n = min(limit, cfg.num_draft_tokens)
-        if n <= 0 or len(tokens) < self._paused_until or len(tokens) < 3:
+        if n <= 0 or len(tokens) < 3:
+            return []
+        paused = len(tokens) < self._paused_until
+        if paused and self.chance("strong") < _PAUSED_STRONG_CHANCE:
             return []
         self._extend(tokens)
         last = len(tokens) - 1
         best, best_score, follow, follow_score = self._candidates(tokens, last)
+        if paused:
+            if best_score < cfg.strong_match:
+                return []
+            self._proposed_from, self.kind = best, "strong"
+            return tokens[best + 1:best + 1 + min(n, best_score)]
         if best_score < cfg.strong_match and self._history_pays():
             draft, score, source = self._history.propose(self._tenant, tokens, n,
                                                           self._history_source)

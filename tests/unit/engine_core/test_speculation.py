@@ -12,7 +12,7 @@ from services.engine.block_manager import BlockManager
 from services.engine.engine_core import EngineCore
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.sequence import FinishReason
-from services.engine.speculation import NgramDrafter, SpeculationConfig
+from services.engine.speculation import KINDS, Acceptance, NgramDrafter, SpeculationConfig
 from tests.unit.engine_core.fakes import (EOS, FakeRunner, copying_token, make_seq,
                                           next_token, reference_output)
 from tests.unit.engine_core.test_engine_core import WordStream, drain
@@ -78,6 +78,24 @@ def test_drafter_pauses_when_its_drafts_miss_and_probes_again_later():
     toks += [1, 2, 3, 4, 5] * 4
     assert d.propose(toks, 4) == [1, 2, 3, 4]  # 20 tokens later it tries again
     assert (d.proposed, d.accepted) == (4 * misses, 0)
+
+
+def test_a_paused_sequence_still_copies_a_strong_match_where_strong_matches_pay():
+    """A tool call pauses on the values the model writes, then copies a repeated object."""
+    cfg = SpeculationConfig(num_draft_tokens=4, min_match=2, strong_match=6, min_acceptance=0.3,
+                            retry_after=50)
+    for strong_chance, copies in ((0.9, True), (0.3, False)):
+        estimates = {k: Acceptance(weight=0.0) for k in KINDS}
+        estimates["strong"] = Acceptance(strong_chance, 1 - strong_chance, weight=0.0)
+        d = NgramDrafter(cfg, estimates=estimates)
+        toks = [1, 2, 3, 50, 60, 1, 2, 3]  # a weak (3-token) match, missed until paused
+        while d.propose(toks, 4):
+            d.observe(2, 0, len(toks))
+        assert d.propose(toks, 4) == []  # paused: weak matches wait for the retry
+        toks += [10, 11, 12, 13, 14, 15, 16, 17, 70, 10, 11, 12, 13, 14, 15, 16]
+        assert d.propose(toks, 4) == ([17, 70, 10, 11] if copies else [])
+        if copies:
+            assert d.kind == "strong"
 
 
 # -- the scheduler and core ---------------------------------------------------------------
