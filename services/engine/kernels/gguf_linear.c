@@ -567,7 +567,6 @@ DTILEB(1, 2)
 DTILEB(1, 3)
 DTILEB(1, 4)
 
-
 static inline __attribute__((always_inline)) void direct_rows_bf16(int fmt, int nr, const uint16_t *x,
         const uint8_t *w, float *y, int64_t M, int64_t n, int64_t N, int64_t K, int64_t rb) {
     for (int64_t m = 0; m < M; m += 4) {
