@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -131,7 +132,6 @@ class LlamaCpp:
         self.threads = threads
 
     def measure(self, p128: list[int], p1000: list[int], n: int) -> dict[str, float] | None:
-        import subprocess
         arg = json.dumps({"p128": p128, "p1000": p1000, "n": n, "threads": self.threads})
         proc = subprocess.run([sys.executable, __file__, "--llama-cpp-child"], input=arg, text=True,
                               capture_output=True, timeout=900)
@@ -152,7 +152,6 @@ class LlamaBench:
         self.binary, self.threads = binary, threads
 
     def measure(self, p128: list[int], p1000: list[int], n: int) -> dict[str, float] | None:
-        import subprocess
         cmd = [self.binary, "-m", str(default_model_path()), "-t", str(self.threads), "-r", "1",
                "-o", "json", "-p", "128,1000", "-n", "0"]
         gen = [self.binary, "-m", str(default_model_path()), "-t", str(self.threads), "-r", "1",

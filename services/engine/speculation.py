@@ -248,11 +248,8 @@ class NgramDrafter:
         self._extend(tokens)
         last = len(tokens) - 1
         best, best_score, follow, follow_score = self._candidates(tokens, last)
-        if paused:
-            if best_score < cfg.strong_match:
-                return []
-            self._proposed_from, self.kind = best, "strong"
-            return tokens[best + 1:best + 1 + min(n, best_score)]
+        if paused and best_score < cfg.strong_match:
+            return []  # paused: only a strong match, copied below
         if best_score < cfg.strong_match and self._history_pays():
             draft, score, source = self._history.propose(self._tenant, tokens, n,
                                                           self._history_source)
