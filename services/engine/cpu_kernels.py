@@ -100,11 +100,12 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
         lib.silu_mul.restype = None
-        lib.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
         lib.argmax_rows.restype = None
         lib.argmax_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.add_rmsnorm.restype = None
-        lib.add_rmsnorm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        lib.add_rmsnorm.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+                                    + [ctypes.c_int64] * 2 + [ctypes.c_float])
         lib.rope_write_kv.restype = None
         lib.rope_write_kv.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] + [ctypes.c_int64] * 4
         _lib = lib
@@ -145,12 +146,20 @@ def int8_linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: 
 
 
 def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: float32 [M, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:], [M, I]."""
+    """gate_up: float32 or bfloat16 [M, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:], [M, I], of
+    the same dtype (bfloat16: computed in float32, rounded once at the end, as torch's
+    .to(torch.bfloat16) of the float32 kernel's result)."""
     gate_up = gate_up.contiguous()
     m, i2 = gate_up.shape
-    out = torch.empty((m, i2 // 2), dtype=torch.float32)
-    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), m, i2 // 2)
+    out = torch.empty((m, i2 // 2), dtype=gate_up.dtype)
+    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), m, i2 // 2, _is_bf16(gate_up))
     return out
+
+
+def _is_bf16(t: torch.Tensor) -> int:
+    if t.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"the fused kernels take float32 or bfloat16, not {t.dtype}")
+    return int(t.dtype == torch.bfloat16)
 
 
 def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
@@ -162,12 +171,16 @@ def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
 
 
 def add_rmsnorm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
-                eps: float) -> torch.Tensor:
-    """x: float32 contiguous [M, K], updated in place to x + delta; returns rmsnorm(x) * w."""
+                eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x: float32 contiguous [M, K], updated in place to x + delta (delta float32 or bfloat16);
+    returns rmsnorm(x) * w, float32 or (out_dtype bfloat16) rounded to bfloat16."""
     m, k = x.shape
-    out = torch.empty_like(x)
-    lib.add_rmsnorm(x.data_ptr(), 0 if delta is None else delta.contiguous().data_ptr(), w.data_ptr(),
-                    out.data_ptr(), m, k, eps)
+    out = torch.empty((m, k), dtype=out_dtype)
+    if delta is not None:
+        delta = delta.contiguous()
+    lib.add_rmsnorm(x.data_ptr(), 0 if delta is None else delta.data_ptr(),
+                    0 if delta is None else _is_bf16(delta), w.data_ptr(), out.data_ptr(), _is_bf16(out),
+                    m, k, eps)
     return out
 
 

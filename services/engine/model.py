@@ -18,7 +18,7 @@ from services.engine.attention import AttentionMetadata, KVCache, PagedDecode, a
 from services.engine.device import is_cuda
 from services.engine.gguf_kernels import GGUFWeight
 from services.engine.loader import LoadedWeights, ModelConfig
-from services.engine.quant import make_linear
+from services.engine.quant import GGUFLinear, make_linear
 
 
 # Decode attention on CUDA: "auto" (Triton where it imports, else gather), "triton", or
@@ -68,6 +68,11 @@ class LlamaModel:
                 gate_up=lin(p + "w_gate", p + "w_up"),
                 down=lin(p + "w_down"),
             ))
+        self._gguf_layers = all(isinstance(lin, GGUFLinear) for layer in self.layers
+                                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        # bfloat16 activations between a bfloat16 step's multiplies (forward); False: float32
+        # copies in between, the same numbers (for comparison)
+        self.bf16_activations = True
         fusable = dtype == torch.float32 and device == "cpu" and c.hidden_size % 8 == 0
         self.cpu_kernels = cpu_kernels.load() if fusable and fused_kernels else None
         self._paged = _paged_decode(decode_attention, device)
@@ -92,8 +97,13 @@ class LlamaModel:
             cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
             sin = self.rope_sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)  # [T, E], residual stream (updated in place)
-        h = self._norm(x, None, self.layers[0].attn_norm)
         p = meta.decode_start  # rows [0, p) are prompt tokens, [p, T) decodes
+        # A step of prompt rows multiplied in bfloat16 (GGUFLinear.bf16_step) keeps the
+        # activations between its multiplies in bfloat16: the norms and the MLP's activation
+        # write the bfloat16 the next multiply would round them to, and read the bfloat16 it
+        # returns (no float32 copies in between; the same numbers).
+        bf16 = self._bf16_step(t, p)
+        h = self._norm(x, None, self.layers[0].attn_norm, bf16)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h, p)  # [T, (H + 2 Hkv) D]
             if fused:  # RoPE in place, K/V into the cache: one pass
@@ -111,10 +121,10 @@ class LlamaModel:
                 write_kv(kv.k[i], kv.v[i], k, v, meta.slots)
             attn = attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self.cpu_kernels,
                           self._paged)  # [T, H * D]
-            h = self._norm(x, layer.o(attn, p), layer.ffn_norm)
-            mlp = layer.down(self._silu_mul(layer.gate_up(h, p)), p)
+            h = self._norm(x, _mm(layer.o, attn, p, bf16), layer.ffn_norm, bf16)
+            mlp = _mm(layer.down, self._silu_mul(_mm(layer.gate_up, h, p, bf16)), p, bf16)
             if i + 1 < len(self.layers):
-                h = self._norm(x, mlp, self.layers[i + 1].attn_norm)
+                h = self._norm(x, mlp, self.layers[i + 1].attn_norm, bf16)
                 if between_layers is not None:
                     between_layers(i + 1, len(self.layers))
             else:
@@ -122,16 +132,24 @@ class LlamaModel:
         x = self._norm(x[logit_rows].contiguous(), None, self.norm)
         return self.lm_head(x).float()
 
+    def _bf16_step(self, rows: int, prefill_rows: int) -> bool:
+        # every layer linear is built alike: the first one answers for all
+        return (self.bf16_activations and self.cpu_kernels is not None and self._gguf_layers
+                and self.layers[0].qkv.bf16_step(rows, prefill_rows))
+
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels is not None:
             return cpu_kernels.silu_mul(self.cpu_kernels, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
-        """x += delta (in place), then RMSNorm(x) * w. One fused call on float32 CPU."""
+    def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
+              bf16: bool = False) -> torch.Tensor:
+        """x += delta (in place), then RMSNorm(x) * w. One fused call on float32 CPU (bf16:
+        the result rounded to bfloat16)."""
         if self.cpu_kernels is not None:
-            return cpu_kernels.add_rmsnorm(self.cpu_kernels, x, delta, w, self.config.rms_eps)
+            return cpu_kernels.add_rmsnorm(self.cpu_kernels, x, delta, w, self.config.rms_eps,
+                                           torch.bfloat16 if bf16 else torch.float32)
         if delta is not None:
             x.add_(delta)
         return F.rms_norm(x, (self.config.hidden_size,), w, self.config.rms_eps)
@@ -149,6 +167,11 @@ def _paged_decode(choice: str, device: str) -> PagedDecode | None:
             raise
         return None
     return triton_attention.paged_decode_attention
+
+
+def _mm(linear, x: torch.Tensor, prefill_rows: int, bf16: bool) -> torch.Tensor:
+    """linear(x), its bfloat16 result kept in a bfloat16 step (GGUFLinear only)."""
+    return linear(x, prefill_rows, bf16_out=True) if bf16 else linear(x, prefill_rows)
 
 
 class _Layer:

@@ -142,13 +142,21 @@ class GGUFLinear:
             return gguf_kernels.linear_interleaved(self._il, x, self._interleaved, self.weight)
         return gguf_kernels.linear(self._lib, x, self.weight, self._decode_bf16)
 
-    def __call__(self, x: torch.Tensor, prefill_rows: int = 0) -> torch.Tensor:
-        """x: [T, in]; its first `prefill_rows` rows are prompt tokens, the rest decodes."""
+    def bf16_step(self, rows: int, prefill_rows: int) -> bool:
+        """Whether a step of `rows` rows, the first `prefill_rows` of them prompt tokens, is
+        multiplied in bfloat16 whole (then __call__ takes and, asked to, returns bfloat16)."""
+        return self._bf16 is not None and prefill_rows == rows and rows >= PREFILL_MIN_ROWS
+
+    def __call__(self, x: torch.Tensor, prefill_rows: int = 0, bf16_out: bool = False) -> torch.Tensor:
+        """x: [T, in]; its first `prefill_rows` rows are prompt tokens, the rest decodes. In a
+        bfloat16 step (`bf16_step`) x may be bfloat16 already and, with bf16_out, y stays the
+        bfloat16 the multiply rounded it to (the same numbers a float32 y widens exactly)."""
+        if self.bf16_step(x.shape[0], prefill_rows):
+            y = F.linear(x.to(torch.bfloat16), self._bf16)
+            return y if bf16_out or self.out_dtype == torch.bfloat16 else y.to(self.out_dtype)
         x = x.float()
         if self._bf16 is None or prefill_rows < PREFILL_MIN_ROWS:
             y = self._blocks(x)
-        elif prefill_rows == x.shape[0]:
-            y = F.linear(x.to(torch.bfloat16), self._bf16).float()
         else:
             y = torch.empty((x.shape[0], self.weight.shape[0]), dtype=torch.float32)
             y[:prefill_rows] = F.linear(x[:prefill_rows].to(torch.bfloat16), self._bf16)

@@ -19,6 +19,52 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* bfloat16 rows (a bfloat16 prefill's activations): widened exactly, and rounded to nearest
+   even as torch's .to(torch.bfloat16) rounds (a NaN becomes 0x7FC0). */
+static inline __m256 load8_bf16(const uint16_t *p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+static inline void store8_bf16(uint16_t *p, __m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  /* lanes 0-3, 4-7 */
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
+    return c.f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } c = {f};
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((c.u + 0x7FFF + ((c.u >> 16) & 1)) >> 16);
+}
+
+/* Element i of a row of float32 (bf16 == 0) or bfloat16 values, read and written as float. */
+static inline __m256 load8(const void *row, int64_t i, int bf16) {
+    return bf16 ? load8_bf16((const uint16_t *)row + i) : _mm256_loadu_ps((const float *)row + i);
+}
+
+static inline void store8(void *row, int64_t i, __m256 v, int bf16) {
+    if (bf16) store8_bf16((uint16_t *)row + i, v);
+    else _mm256_storeu_ps((float *)row + i, v);
+}
+
+static inline float load1(const void *row, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+static inline void store1(void *row, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)row)[i] = float_to_bf16(v);
+    else ((float *)row)[i] = v;
+}
+
 /* Weight-only int8 GEMM over weights packed in blocks of 8 output channels:
    p[(b * K + k) * 8 + i] = q[b * 8 + i, k]. A block's 8 weights at one k are one 8-byte load
    converted to a float vector (lanes = output channels), multiplied by x[m, k] broadcast for
@@ -284,20 +330,23 @@ void NAME(const float *q, const T *kc, const T *vc, const int64_t *tables,      
 PAGED_DECODE_ATTENTION(paged_decode_attention, float, LOAD_F32)
 PAGED_DECODE_ATTENTION(paged_decode_attention_f16, uint16_t, LOAD_F16)
 
-/* gu: [M, 2I] (gate columns, then up columns) -> out: [M, I] = silu(gate) * up. */
-void silu_mul(const float *gu, float *out, int64_t M, int64_t I) {
+/* gu: [M, 2I] (gate columns, then up columns) -> out: [M, I] = silu(gate) * up; both float32,
+   or both bfloat16 (bf16: computed in float32 from the widened values, then rounded). */
+void silu_mul(const void *gu, void *out, int64_t M, int64_t I, int bf16) {
     #pragma omp parallel for schedule(dynamic) if (M * I >= PARALLEL_MIN_ELEMS)
     for (int64_t m = 0; m < M; m++) {
-        const float *g = gu + m * 2 * I, *u = g + I;
-        float *o = out + m * I;
+        int64_t g = m * 2 * I, u = g + I, o = m * I;
         int64_t k = 0;
         for (; k + 8 <= I; k += 8) {
-            __m256 gv = _mm256_loadu_ps(g + k);
+            __m256 gv = load8(gu, g + k, bf16);
             __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
             __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(o + k, _mm256_mul_ps(s, _mm256_loadu_ps(u + k)));
+            store8(out, o + k, _mm256_mul_ps(s, load8(gu, u + k, bf16)), bf16);
         }
-        for (; k < I; k++) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+        for (; k < I; k++) {
+            float gk = load1(gu, g + k, bf16);
+            store1(out, o + k, gk / (1.0f + expf(-gk)) * load1(gu, u + k, bf16), bf16);
+        }
     }
 }
 
@@ -335,18 +384,19 @@ void argmax_rows(const float *x, int64_t *out, int64_t M, int64_t V) {
     }
 }
 
-/* x: [M, K] (updated in place with delta when delta != 0), w: [K], out: [M, K]. K % 8 == 0. */
-void add_rmsnorm(float *x, const float *delta, const float *w, float *out,
+/* x: [M, K] float32 (updated in place with delta when delta != 0), w: [K], out: [M, K]. K % 8
+   == 0. delta is float32, or bfloat16 with delta_bf16; out float32, or bfloat16 with out_bf16
+   (rounded from the float32 result). */
+void add_rmsnorm(float *x, const void *delta, int delta_bf16, const float *w, void *out, int out_bf16,
                  int64_t M, int64_t K, float eps) {
     #pragma omp parallel for schedule(dynamic) if (M * K >= PARALLEL_MIN_ELEMS)
     for (int64_t m = 0; m < M; m++) {
         float *xr = x + m * K;
-        float *o = out + m * K;
         __m256 ss = _mm256_setzero_ps();
         for (int64_t k = 0; k < K; k += 8) {
             __m256 v = _mm256_loadu_ps(xr + k);
             if (delta) {
-                v = _mm256_add_ps(v, _mm256_loadu_ps(delta + m * K + k));
+                v = _mm256_add_ps(v, load8(delta, m * K + k, delta_bf16));
                 _mm256_storeu_ps(xr + k, v);
             }
             ss = _mm256_fmadd_ps(v, v, ss);
@@ -355,7 +405,7 @@ void add_rmsnorm(float *x, const float *delta, const float *w, float *out,
         __m256 rv = _mm256_set1_ps(r);
         for (int64_t k = 0; k < K; k += 8) {
             __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + k), rv);
-            _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_loadu_ps(w + k), v));
+            store8(out, m * K + k, _mm256_mul_ps(_mm256_loadu_ps(w + k), v), out_bf16);
         }
     }
 }

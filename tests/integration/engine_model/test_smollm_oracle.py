@@ -152,6 +152,22 @@ def test_the_defaults_follow_the_exact_greedy_path(runner, default_runner, cases
                             BFLOAT16_NEAR_TIE)
 
 
+@pytest.mark.parametrize("name", ["chat", "long_1000"])
+def test_a_bfloat16_prompt_step_gives_the_same_logits_with_bfloat16_activations(default_runner, cases, name):
+    """A prompt step multiplied in bfloat16 passes bfloat16 between its multiplies (the norms
+    and the MLP activation round as the multiply would): bit-identical to float32 copies."""
+    model, prompt = default_runner.model, (cases[name] * 16)[:200]  # a step of 200 prompt rows
+    if not model._bf16_step(len(prompt), len(prompt)):
+        pytest.skip("this CPU multiplies prompt steps in float32 (no native bfloat16)")
+    through = oracle.runner_last_logits(default_runner, prompt)
+    model.bf16_activations = False
+    try:
+        between = oracle.runner_last_logits(default_runner, prompt)
+    finally:
+        model.bf16_activations = True
+    assert torch.equal(through, between)
+
+
 CODE = "\n".join(
     ["def process_orders(records, limit=100):", '    """Filter and total the order records."""',
      "    total = 0", "    kept = []"]

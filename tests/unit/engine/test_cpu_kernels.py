@@ -28,6 +28,29 @@ def test_silu_mul_matches_torch(lib):
     assert torch.allclose(cpu_kernels.silu_mul(lib, gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
+def test_silu_mul_in_bfloat16_rounds_the_float32_result(lib):
+    gate_up = (torch.randn(7, 2 * 1000, generator=torch.Generator().manual_seed(2)) * 8).to(torch.bfloat16)
+    gate_up[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])  # 1000 % 8: a scalar tail too
+    got = cpu_kernels.silu_mul(lib, gate_up)
+    assert got.dtype == torch.bfloat16
+    ref = cpu_kernels.silu_mul(lib, gate_up.float()).to(torch.bfloat16)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)  # NaNs' bits aside, equal
+
+
+@pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
+def test_add_rmsnorm_takes_and_gives_bfloat16_with_float32_numbers(lib, delta_dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 576, generator=g) * 4
+    w = torch.randn(576, generator=g)
+    delta = None if delta_dtype is None else (torch.randn(9, 576, generator=g) * 4).to(delta_dtype)
+    x_ref = x.clone()
+    ref = cpu_kernels.add_rmsnorm(lib, x_ref, None if delta is None else delta.float(), w, 1e-5)
+    got = cpu_kernels.add_rmsnorm(lib, x, delta, w, 1e-5, torch.bfloat16)
+    assert torch.equal(x, x_ref)  # the residual stream is float32 either way
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
+    assert torch.allclose(ref, F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_rope_write_kv_equals_torchs_rope_and_cache_writes(lib, cache_dtype):
     from services.engine.attention import write_kv
