@@ -284,7 +284,13 @@ class PendingStep:
 
 
 def _is_decode(c: SeqChunk) -> bool:
-    return (len(c.token_ids) == 1 or c.num_draft_tokens > 0) and c.start_pos > 0
+    """A chunk computed row by row as decodes: a speculative one, or one token after a cached
+    context that is not a prompt's (a burst's prompts hold their last token for a final step
+    together: those rows stay prompt rows, so a step of them is still a prompt step, bfloat16
+    GEMMs and all)."""
+    if c.start_pos == 0:
+        return False
+    return c.num_draft_tokens > 0 or (len(c.token_ids) == 1 and c.start_pos >= len(c.prompt_token_ids))
 
 
 def _draft_rows(c: SeqChunk) -> list[SeqChunk]:

@@ -152,3 +152,21 @@ def test_c_kernels_match_torch_ops(tmp_path, quant):
     # the kernels' prompt rows read K/V back from the cache (float16 with int8), as decode rows
     # do; torch's attend to the fresh float32 ones
     assert_same(a, b, tol=1e-3 if fast.kv_cache_dtype == "float16" else 1e-4)
+
+
+def test_a_prompts_held_last_token_is_a_prompt_row_and_matches_one_prefill(runner):
+    """A burst holds each prompt's last token for one final step with the others' chunks: that
+    token is computed as a prompt row (the step stays a prompt step), with the same result."""
+    from services.engine.runner import _is_decode
+
+    a, b = prompt(13, 3), prompt(9, 4)
+    ta, tb = [12, 6, 21, 14], [25, 19, 7]
+    runner.execute(Batch([chunk(3, a[:12], 0, ta, sample=False)]))
+    held = SeqChunk(seq_id=3, token_ids=a[12:], start_pos=12, block_table=ta, sample=True, sampling=LP,
+                    prompt_token_ids=a)
+    assert not _is_decode(held)
+    assert _is_decode(SeqChunk(seq_id=3, token_ids=[5], start_pos=13, block_table=ta, sample=True,
+                               sampling=LP, prompt_token_ids=a))  # a generated token's step
+    out = runner.execute(Batch([held, chunk(4, b, 0, tb)])).sampled
+    assert_same(out[3], reference(runner, a))
+    assert_same(out[4], reference(runner, b))
