@@ -68,6 +68,10 @@ class EngineConfig:
     # burst is prefilled (so it is prefilled in full steps and decodes as one batch), if the
     # learned cost says that takes at most this long; 0: never hold.
     burst_hold_ms: float = 15000.0
+    # A prompt that has waited this long for its first token lifts itl_target_ms: steps
+    # take prompt tokens up to max_batched_tokens until no such prompt is left (streams
+    # stall for a long step rather than a latecomer waiting many short ones); 0: never.
+    prompt_wait_ms: float = 1000.0
     block_size: int = 16
     # KV cache size; None: the runner sizes it from available memory.
     kv_cache_mb: int | None = None
@@ -125,6 +129,8 @@ class EngineConfig:
             raise ValueError(f"itl_target_ms must be >= 0 (0 turns it off), got {self.itl_target_ms}")
         if not self.burst_hold_ms >= 0:
             raise ValueError(f"burst_hold_ms must be >= 0 (0 turns it off), got {self.burst_hold_ms}")
+        if not self.prompt_wait_ms >= 0:
+            raise ValueError(f"prompt_wait_ms must be >= 0 (0 turns it off), got {self.prompt_wait_ms}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:

@@ -88,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--burst-hold-ms", type=float, default=15000.0,
                    help="when nobody is streaming yet, the prompts of a burst start streaming"
                         " together if their prefill is expected to take at most this long; 0: off")
+    p.add_argument("--prompt-wait-ms", type=float, default=1000.0,
+                   help="a prompt that has waited this long for its first token lifts"
+                        " --itl-target-ms (steps take prompt tokens up to --max-batched-tokens"
+                        " until none is left waiting that long); 0: off")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mb", type=int, default=None,
                    help="KV cache size (default: sized from available memory)")
@@ -128,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
             prefill_dtype=a.prefill_dtype, decode_dtype=a.decode_dtype, eager=a.eager, threads=a.threads,
             max_concurrency=a.max_concurrency, max_waiting=a.max_waiting,
             max_batched_tokens=a.max_batched_tokens, itl_target_ms=a.itl_target_ms,
-            burst_hold_ms=a.burst_hold_ms,
+            burst_hold_ms=a.burst_hold_ms, prompt_wait_ms=a.prompt_wait_ms,
             block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
             enable_prefix_caching=not a.no_prefix_caching, watts=a.watts,
             speculation=not a.no_speculation, num_draft_tokens=a.num_draft_tokens,
@@ -174,6 +178,7 @@ def build_core(config: EngineConfig, window: LoadWindow | None = None) -> Engine
                         max_model_len=runner.max_context,
                         itl_target_s=config.itl_target_ms / 1000,
                         burst_hold_s=config.burst_hold_ms / 1000,
+                        prompt_wait_s=config.prompt_wait_ms / 1000,
                         speculation=SpeculationConfig(enabled=config.speculation,
                                                       num_draft_tokens=config.num_draft_tokens),
                         # keep ~1% free so running requests can grow without preemption

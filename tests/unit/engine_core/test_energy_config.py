@@ -47,7 +47,8 @@ def test_engine_config_rejects_bad_values(tmp_path):
     for bad in (dict(port=70000), dict(device="tpu"), dict(dtype="int4"), dict(block_size=12),
                 dict(max_concurrency=0), dict(max_batched_tokens=8), dict(kv_cache_mb=0),
                 dict(watts=0), dict(etcd_endpoints=("nohostport",)), dict(quantization="q2"),
-                dict(itl_target_ms=-5), dict(itl_target_ms=float("nan")), dict(burst_hold_ms=-1)):
+                dict(itl_target_ms=-5), dict(itl_target_ms=float("nan")), dict(burst_hold_ms=-1),
+                dict(prompt_wait_ms=-1)):
         with pytest.raises(ValueError):
             EngineConfig(**ok, **bad)
 

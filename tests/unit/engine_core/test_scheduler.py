@@ -41,6 +41,8 @@ def test_config_is_validated():
         SchedulerConfig(itl_target_s=-1)
     with pytest.raises(ValueError, match="burst_hold_s"):
         SchedulerConfig(burst_hold_s=float("nan"))
+    with pytest.raises(ValueError, match="prompt_wait_s"):
+        SchedulerConfig(prompt_wait_s=-1)
 
 
 def test_every_step_respects_budget_and_slots():
@@ -123,6 +125,31 @@ def test_itl_target_gives_prompts_at_least_a_minimum_chunk():
     sched, runner = make(num_blocks=512, max_num_batched_tokens=256, itl_target_s=0.05)
     runner.cost = lambda decode_rows, prompt_tokens: (0.04 if decode_rows else 0.0) + 0.01 * prompt_tokens
     assert late_prompt_chunks(sched, runner, 100) == [MIN_PREFILL_CHUNK] * 3 + [100 - 3 * MIN_PREFILL_CHUNK]
+
+
+def test_a_prompt_kept_waiting_lifts_the_itl_target():
+    """Decodes take 60 ms, prompt tokens 1 ms: under the 100 ms target a late prompt goes in
+    40-token chunks, until it has waited prompt_wait_s (0.3 s): then the rest in one step."""
+    sched, runner = make(num_blocks=512, max_num_batched_tokens=256, itl_target_s=0.1, prompt_wait_s=0.3)
+    runner.cost = lambda decode_rows, prompt_tokens: (0.06 if decode_rows else 0.0) + 0.001 * prompt_tokens
+    clock = 0.0
+    sched.add(make_seq(1, 10, max_tokens=500, arrival=clock))
+    late = None
+    sizes = []
+    steps = 0
+    while late is None or not late.output_token_ids:
+        if steps == 2:  # the first prompt, then a decode-only step: both costs are learned
+            late = make_seq(2, 300, max_tokens=2, arrival=clock)
+            sched.add(late)
+        steps += 1
+        batch = sched.schedule(clock)
+        out = runner.execute(batch)
+        sched.update(batch, out)
+        clock += out.seconds
+        sizes += [len(c.token_ids) for c in batch.chunks if c.seq_id == 2]
+    # 0.1 s steps: 40 tokens a step while the prompt waits < 0.3 s, then all 180 left at once
+    assert sizes == [40, 40, 40, 180]
+    assert late.output_token_ids == reference_output(late.prompt_token_ids, 1)
 
 
 def test_without_decodes_or_target_the_budget_is_the_only_limit():
