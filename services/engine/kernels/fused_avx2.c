@@ -20,7 +20,7 @@ static inline float hsum(__m256 v) {
 }
 
 /* bfloat16 rows (a bfloat16 prefill's activations): widened exactly, and rounded to nearest
-   even as torch's .to(torch.bfloat16) rounds (a NaN becomes 0x7FC0). */
+   even as torch's .to(torch.bfloat16) rounds (a NaN stays a NaN: 0x7FC0). */
 static inline __m256 load8_bf16(const uint16_t *p) {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
