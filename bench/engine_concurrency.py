@@ -30,8 +30,9 @@ the rest 64). Every peer gets the same token ids.
 given (`--peers none --vllm-python ...` runs vLLM alone).
 Aggregate tokens/s = generated tokens / wall time of the workload. Every peer is started
 first; then each of --runs rounds runs every peer on every workload in turn (a slow phase
-of a shared machine falls on all peers alike); medians over the rounds, each round's
-tokens/s in the JSON.
+of a shared machine falls on all peers alike), each round with prompts of its own (seeded by
+the round: tokenserve drafts from earlier outputs, and repeated prompts would hand it the
+answers); medians over the rounds, each round's tokens/s in the JSON.
 Prefix caching is off in the engine (distinct prompts per stream anyway).
 The JSON records the CPU flags, the measured copy bandwidth and the one-stream roofline
 (bandwidth / bytes of weights the default engine reads per token, bench/machine.py), and the
@@ -413,15 +414,18 @@ def median_runs(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def measure_all(peers: dict, loads: dict[str, list[list[int]]], runs: int, new_tokens: int) -> dict:
-    """peers: name -> run(prompts, new_tokens) -> summary. A 4-token warm-up each, then `runs`
+def measure_all(peers: dict, rounds: list[dict[str, list[list[int]]]], warmup: list[int],
+                new_tokens: int) -> dict:
+    """peers: name -> run(prompts, new_tokens) -> summary; rounds: each round's workloads
+    (fresh prompts a round: an engine that drafts from earlier outputs, as tokenserve does,
+    must not find a round's answers in the round before). A 4-token warm-up each, then the
     rounds, each running every peer on every workload in turn, so a slow phase of a shared
     machine falls on all peers alike, each workload starting on idle CPUs (`settle`); the
     medians per peer and workload, with every run's tokens/s."""
     for run in peers.values():
-        run(next(iter(loads.values()))[:1], 4)
-    samples: dict[str, dict[str, list[dict]]] = {p: {w: [] for w in loads} for p in peers}
-    for r in range(runs):
+        run([warmup], 4)
+    samples: dict[str, dict[str, list[dict]]] = {p: {w: [] for w in rounds[0]} for p in peers}
+    for r, loads in enumerate(rounds):
         for peer, run in peers.items():
             for name, prompts in loads.items():
                 settle()
@@ -462,9 +466,11 @@ def main(argv=None) -> int:
     if bool(a.vllm_python) != bool(a.vllm_model):
         ap.error("--vllm-python and --vllm-model go together")
     conc = [int(c) for c in a.concurrency.split(",")]
-    loads = workloads(conc, a.new_tokens)
-    if not a.mixed:
-        del loads["mixed16"]
+    rounds = [workloads(conc, a.new_tokens, seed=r) for r in range(a.runs)]
+    for loads in rounds:
+        if not a.mixed:
+            del loads["mixed16"]
+    warmup = workloads([1], a.new_tokens, seed=a.runs)["c1"][0]  # a prompt no round sends
     peers = a.peers.split(",")
     RESULTS.mkdir(parents=True, exist_ok=True)
     facts = machine_facts(default_model_path())
@@ -480,7 +486,7 @@ def main(argv=None) -> int:
             runs["tokenserve"] = lambda ps, n, eng=eng: asyncio.run(run_tokenserve(eng.target, ps, n))
         if a.llama_server:
             log_path = Path(tempfile.gettempdir()) / f"engine_concurrency.{os.getpid()}.llama-server.log"
-            ctx = max(len(p) for ps in loads.values() for p in ps) + a.new_tokens + 16
+            ctx = max(len(p) for loads in rounds for ps in loads.values() for p in ps) + a.new_tokens + 16
             srv = LlamaServer(a.llama_server, max(conc), ctx, log_path)
             servers.append(srv)
             runs["llama.cpp-server"] = lambda ps, n, srv=srv: asyncio.run(run_llama_server(srv.port, ps, n))
@@ -500,7 +506,7 @@ def main(argv=None) -> int:
                 torch.set_num_threads(len(os.sched_getaffinity(0)))
                 model = load_transformers(peer.split("-", 1)[1])
                 runs[peer] = lambda ps, n, model=model: run_transformers(model, ps, n)
-        results = measure_all(runs, loads, a.runs, a.new_tokens)
+        results = measure_all(runs, rounds, warmup, a.new_tokens)
     finally:
         for server in servers:
             server.stop()
