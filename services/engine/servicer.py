@@ -3,7 +3,8 @@
 Generate validates before any compute, refuses when the waiting queue is full
 (RESOURCE_EXHAUSTED with retry-after) and streams one message per step that produced
 tokens. Leaving the stream (client cancel, deadline) aborts the request on the step thread,
-which frees its KV blocks before the next step.
+which frees its KV blocks before the next step; a request the engine ends at its deadline
+(between two steps, before gRPC's own timer fires) still ends DEADLINE_EXCEEDED.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from services.engine.validation import ModelLimits, validate_request
 from tokenserve import sampling
 from tokenserve.common.v1 import common_pb2
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
-from tokenserve.runtime.errors import ResourceExhausted, Unavailable
+from tokenserve.runtime.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
@@ -86,10 +87,18 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             priority=request.priority, tenant_id=request.tenant_id, arrival=now,
             speculation=request.speculation if request.HasField("speculation") else True,
             deadline=now + remaining if remaining is not None else None)
+        sent = 0
         async for out in self.engine.generate(seq):
+            sent += len(out.token_ids)
             yield response_to_pb(out)
             if out.finish_reason is FinishReason.ERROR:
                 raise Unavailable("the engine failed while running this request; retry it")
+            if out.finish_reason is FinishReason.CANCELLED and _passed(seq.deadline):
+                # the engine ended it at its deadline before gRPC's own timer did: the caller
+                # gets the status gRPC would have sent, not an OK that reads as finished
+                raise DeadlineExceeded(
+                    f"the deadline passed after {sent} of"
+                    f" {request.max_tokens} tokens; allow more time or ask for fewer tokens")
 
     async def GetInfo(self, request, context) -> engine_pb2.GetInfoResponse:
         info = self._ready()
@@ -112,6 +121,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if self.info is None or not self.engine.is_ready:
             raise Unavailable("the model is still loading; retry when health reports SERVING")
         return self.info
+
+
+def _passed(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
 
 
 def sampling_from_pb(request: engine_pb2.GenerateRequest) -> SamplingParams:
