@@ -108,6 +108,9 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
                                     + [ctypes.c_int64] * 2 + [ctypes.c_float])
         lib.rope_write_kv.restype = None
         lib.rope_write_kv.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] + [ctypes.c_int64] * 4
+        lib.decode_layers.restype = ctypes.c_int
+        lib.decode_layers.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
+                                      + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64])
         _lib = lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("cpu_kernels_unavailable", reason=f"{type(e).__name__}: {e}"[:300])
@@ -214,3 +217,56 @@ def rope_write_kv(lib: ctypes.CDLL, qkv: torch.Tensor, positions: torch.Tensor, 
                       slots.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
                       int(cache_k.dtype == torch.float16), qkv.shape[0], num_heads, num_kv_heads,
                       head_dim)
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("fn", ctypes.c_void_p), ("fmt", ctypes.c_int64), ("w", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+                ("cache_k", ctypes.c_void_p), ("cache_v", ctypes.c_void_p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("layers", ctypes.POINTER(_Layer)), ("num_layers", ctypes.c_int64),
+                ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("block_size", ctypes.c_int64), ("cache_f16", ctypes.c_int64),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("eps", ctypes.c_double),
+                ("scale", ctypes.c_double)]
+
+
+class DecodeLayers:
+    """A decode step's layers in one C call each (kernels/fused_avx2.c `decode_layers`): the
+    same kernels forward calls from Python, in the same order, minus the Python between them.
+    Built once per KV cache from the layers' norms, their linears' `decode_kernel()` and the
+    cache tensors, which must outlive it (it holds their addresses)."""
+
+    def __init__(self, lib: ctypes.CDLL, layers: list, linears: list[tuple], kv_k: list[torch.Tensor],
+                 kv_v: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, *, hidden: int,
+                 heads: int, kv_heads: int, head_dim: int, eps: float, scale: float):
+        """layers: (attn_norm, ffn_norm) per layer; linears: per layer the four
+        `decode_kernel()` tuples (qkv, o, gate_up, down)."""
+        self.lib, self.num_layers = lib, len(layers)
+        self._keep = (layers, kv_k, kv_v, cos, sin)
+        arr = (_Layer * len(layers))()
+        for i, ((attn_norm, ffn_norm), lins) in enumerate(zip(layers, linears)):
+            arr[i] = _Layer(*(_Linear(*lin) for lin in lins), attn_norm.data_ptr(), ffn_norm.data_ptr(),
+                            kv_k[i].data_ptr(), kv_v[i].data_ptr())
+        self._layers = arr
+        self.cache_ptr = kv_k[0].data_ptr()
+        self._model = _Model(arr, len(layers), hidden, heads, kv_heads, head_dim, kv_k[0].shape[1],
+                             int(kv_k[0].dtype == torch.float16), cos.data_ptr(), sin.data_ptr(), eps, scale)
+
+    def __call__(self, first: int, last: int, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor) -> None:
+        """Layers [first, last) on the step's T decode rows: x (float32 [T, hidden], the
+        residual) updated in place; h (float32 [T, hidden]) in: layer `first`'s normed input,
+        out: the next layer's. positions, slots, ctx: int64 [T]; tables: int64 [T, W]."""
+        rc = self.lib.decode_layers(ctypes.byref(self._model), first, last, x.data_ptr(), h.data_ptr(),
+                                    x.shape[0], positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                                    ctx.data_ptr(), tables.shape[1])
+        if rc != 0:
+            raise RuntimeError(f"decode_layers: a linear refused its matrix (code {rc})")

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from services.engine import cpu_kernels
+from services.engine import attention, cpu_kernels
 from services.engine.attention import AttentionMetadata, KVCache, PagedDecode, attend, write_kv
 from services.engine.device import is_cuda
 from services.engine.gguf_kernels import GGUFWeight
@@ -78,6 +78,7 @@ class LlamaModel:
         self._paged = _paged_decode(decode_attention, device)
         self.decode_attention = "triton" if self._paged is not None else (
             "cpu-kernel" if self.cpu_kernels is not None else "gather")
+        self._c_plan: cpu_kernels.DecodeLayers | None = None  # `_c_layers`
         cos, sin = rope_tables(c, t.get("rope_freqs"))
         self.rope_cos = cos.to(device=device, dtype=dtype)  # [max_position, D]
         self.rope_sin = sin.to(device=device, dtype=dtype)  # [max_position, D], first half negated
@@ -104,6 +105,16 @@ class LlamaModel:
         # returns (no float32 copies in between; the same numbers).
         bf16 = self._bf16_step(t, p)
         h = self._norm(x, None, self.layers[0].attn_norm, bf16)
+        c_layers = self._c_layers(kv) if fused and not meta.prefills and not bf16 and t else None
+        if c_layers is not None:  # a decode step: each layer one C call (same kernels, same bits)
+            n = len(self.layers)
+            for i in range(n) if between_layers is not None else (0,):
+                c_layers(i, i + 1 if between_layers is not None else n, x, h, positions, meta.slots,
+                         meta.decode_blocks, meta.decode_ctx)
+                if between_layers is not None and i + 1 < n:
+                    between_layers(i + 1, n)
+            x = self._norm(x[logit_rows].contiguous(), None, self.norm)
+            return self.lm_head(x).float()
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h, p)  # [T, (H + 2 Hkv) D]
             if fused:  # RoPE in place, K/V into the cache: one pass
@@ -131,6 +142,28 @@ class LlamaModel:
                 x.add_(mlp)
         x = self._norm(x[logit_rows].contiguous(), None, self.norm)
         return self.lm_head(x).float()
+
+    def _c_layers(self, kv: KVCache) -> cpu_kernels.DecodeLayers | None:
+        """The decode layers in C (`cpu_kernels.DecodeLayers`) where this model runs them: the
+        CPU kernels loaded, every layer linear a GGUF kernel, the C attention serving the cache,
+        decode rows not sent elsewhere (`decode_attention`); built once per cache."""
+        plan = self._c_plan
+        if plan is not None and plan.cache_ptr == kv.k[0].data_ptr():
+            return plan
+        c = self.config
+        if (self.cpu_kernels is None or not self._gguf_layers or self._paged is not None
+                or not hasattr(self.cpu_kernels, "decode_layers")
+                or not attention.kernel_fits(self.cpu_kernels, c.head_dim, kv.k[0].dtype)
+                or any(lin.out_dtype != torch.float32 for layer in self.layers
+                       for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))):
+            return None
+        self._c_plan = cpu_kernels.DecodeLayers(
+            self.cpu_kernels, [(layer.attn_norm, layer.ffn_norm) for layer in self.layers],
+            [[lin.decode_kernel() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+             for layer in self.layers],
+            kv.k, kv.v, self.rope_cos, self.rope_sin, hidden=c.hidden_size, heads=c.num_heads,
+            kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_eps, scale=self.scale)
+        return self._c_plan
 
     def _bf16_step(self, rows: int, prefill_rows: int) -> bool:
         # every layer linear is built alike: the first one answers for all

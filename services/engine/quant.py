@@ -34,6 +34,8 @@ bench/engine_agreement.py and bench/engine_cpu.py.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -144,6 +146,16 @@ class GGUFLinear:
         if self._interleaved is not None:
             return gguf_kernels.linear_interleaved(self._il, x, self._interleaved, self.weight)
         return gguf_kernels.linear(self._lib, x, self.weight, self._decode_bf16)
+
+    def decode_kernel(self) -> tuple[int, int, int, int, int]:
+        """What `_blocks` calls, for C callers (cpu_kernels.decode_layers): (the kernel's
+        address, format code, weights pointer, N, K)."""
+        n, k = self.weight.shape
+        code = gguf_kernels.FORMATS[self.weight.kind][0]
+        if self._interleaved is not None:
+            return ctypes.cast(self._il.gguf_linear_il16, ctypes.c_void_p).value, code, self._interleaved.data_ptr(), n, k
+        fn = self._lib.gguf_linear_bf16 if self._decode_bf16 else self._lib.gguf_linear
+        return ctypes.cast(fn, ctypes.c_void_p).value, code, self.weight.blocks.data_ptr(), n, k
 
     def bf16_step(self, rows: int, prefill_rows: int) -> bool:
         """Whether a step of `rows` rows, the first `prefill_rows` of them prompt tokens, is

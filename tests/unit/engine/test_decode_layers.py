@@ -1,0 +1,74 @@
+"""A decode step's layers in one C call each (cpu_kernels.DecodeLayers) give the same bits as
+forward's layer-by-layer Python: logits, KV cache writes and the between-layers hook alike."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine import gguf_kernels
+from services.engine.attention import build_metadata
+from services.engine.interface import Batch, SamplingParams, SeqChunk
+from services.engine.runner import ModelRunner
+from tests.unit.engine import tiny_models as tm
+
+BS = 4
+
+
+def runner_for(tmp_path, qtype: str, decode_dtype: str) -> ModelRunner:
+    path = tm.write_gguf(tmp_path / f"tiny-{qtype}.gguf", tm.random_weights(5), qtype)
+    return ModelRunner(path, quantization="auto", block_size=BS, num_blocks=64, num_threads=2, seed=0,
+                       decode_dtype=decode_dtype)
+
+
+def decode_step(runner: ModelRunner, hook_calls: list, c_path: bool):
+    """Three sequences prefilled, then one decode-only forward: two one-token rows and a
+    speculative chunk of four rows. Returns (logits, K and V of every layer)."""
+    model = runner.model
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    prompts = [[(i * 7 + s) % tm.VOCAB for i in range(n)] for s, n in enumerate((5, 9, 6))]
+    runner.execute(Batch([SeqChunk(s, p, 0, tables[s], False, SamplingParams())
+                          for s, p in enumerate(prompts)]))
+    spans = [(5, 1, tables[0], True), (9, 1, tables[1], True), (6, 4, tables[2], True)]
+    ids = [3, 17, 40, 41, 42, 43]
+    positions = [5, 9, 6, 7, 8, 9]
+    meta = build_metadata(spans, BS, "cpu")
+    if not c_path:
+        model._c_layers = lambda kv: None
+    try:
+        with torch.inference_mode():
+            logits = model.forward(torch.tensor(ids), torch.tensor(positions), meta, runner.kv,
+                                   torch.arange(len(ids)), lambda done, total: hook_calls.append((done, total)))
+    finally:
+        model.__dict__.pop("_c_layers", None)
+    return logits, [t.clone() for t in runner.kv.k + runner.kv.v]
+
+
+@pytest.mark.parametrize("qtype,decode_dtype", [("Q4_1", "auto"), ("Q8_0", "auto"), ("Q4_0", "float32")])
+def test_c_decode_layers_give_the_same_bits_as_python(lib, tmp_path, qtype, decode_dtype):
+    runner = runner_for(tmp_path, qtype, decode_dtype)
+    c_calls, py_calls = [], []
+    c_logits, c_cache = decode_step(runner, c_calls, c_path=True)
+    assert runner.model._c_plan is not None  # the C layers ran
+    py_logits, py_cache = decode_step(runner, py_calls, c_path=False)
+    assert torch.equal(c_logits, py_logits)
+    assert all(torch.equal(a, b) for a, b in zip(c_cache, py_cache))
+    assert c_calls == py_calls == [(1, tm.LAYERS)]
+
+
+def test_the_interleaved_kernel_is_what_the_c_layers_call(lib, tmp_path):
+    """Where the CPU has AVX512-BF16, decode rows of Q4_1 run on the interleaved kernel, in C
+    as in Python."""
+    il = gguf_kernels.load_interleaved()
+    if il is None:
+        pytest.skip("no AVX512-BF16 here: the interleaved kernel is not built")
+    runner = runner_for(tmp_path, "Q4_1", "auto")
+    fn, _, w, _, _ = runner.model.layers[0].qkv.decode_kernel()
+    assert fn == gguf_kernels.ctypes.cast(il.gguf_linear_il16, gguf_kernels.ctypes.c_void_p).value
+    assert w == runner.model.layers[0].qkv._interleaved.data_ptr()
+
+
+def test_steps_with_prompt_rows_stay_in_python(lib, tmp_path):
+    runner = runner_for(tmp_path, "Q8_0", "auto")
+    table = [0, 1, 2]
+    runner.execute(Batch([SeqChunk(1, [5, 6, 7, 8, 9], 0, table, False, SamplingParams())]))
+    assert runner.model._c_plan is None
