@@ -27,6 +27,7 @@ import hashlib
 import shutil
 import subprocess
 import tempfile
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -219,19 +220,19 @@ def rope_write_kv(lib: ctypes.CDLL, qkv: torch.Tensor, positions: torch.Tensor, 
                       head_dim)
 
 
-class _Linear(ctypes.Structure):
+class _DLLinear(ctypes.Structure):
     _fields_ = [("fn", ctypes.c_void_p), ("fmt", ctypes.c_int64), ("w", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
 
 
-class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+class _DLLayer(ctypes.Structure):
+    _fields_ = [("qkv", _DLLinear), ("o", _DLLinear), ("gate_up", _DLLinear), ("down", _DLLinear),
                 ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
                 ("cache_k", ctypes.c_void_p), ("cache_v", ctypes.c_void_p)]
 
 
-class _Model(ctypes.Structure):
-    _fields_ = [("layers", ctypes.POINTER(_Layer)), ("num_layers", ctypes.c_int64),
+class _DLModel(ctypes.Structure):
+    _fields_ = [("layers", ctypes.POINTER(_DLLayer)), ("num_layers", ctypes.c_int64),
                 ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("block_size", ctypes.c_int64), ("cache_f16", ctypes.c_int64),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("eps", ctypes.c_double),
@@ -251,22 +252,29 @@ class DecodeLayers:
         `decode_kernel()` tuples (qkv, o, gate_up, down)."""
         self.lib, self.num_layers = lib, len(layers)
         self._keep = (layers, kv_k, kv_v, cos, sin)
-        arr = (_Layer * len(layers))()
+        arr = (_DLLayer * len(layers))()
         for i, ((attn_norm, ffn_norm), lins) in enumerate(zip(layers, linears)):
-            arr[i] = _Layer(*(_Linear(*lin) for lin in lins), attn_norm.data_ptr(), ffn_norm.data_ptr(),
+            arr[i] = _DLLayer(*(_DLLinear(*lin) for lin in lins), attn_norm.data_ptr(), ffn_norm.data_ptr(),
                             kv_k[i].data_ptr(), kv_v[i].data_ptr())
         self._layers = arr
         self.cache_ptr = kv_k[0].data_ptr()
-        self._model = _Model(arr, len(layers), hidden, heads, kv_heads, head_dim, kv_k[0].shape[1],
+        self._model = _DLModel(arr, len(layers), hidden, heads, kv_heads, head_dim, kv_k[0].shape[1],
                              int(kv_k[0].dtype == torch.float16), cos.data_ptr(), sin.data_ptr(), eps, scale)
 
-    def __call__(self, first: int, last: int, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
-                 slots: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor) -> None:
-        """Layers [first, last) on the step's T decode rows: x (float32 [T, hidden], the
-        residual) updated in place; h (float32 [T, hidden]) in: layer `first`'s normed input,
-        out: the next layer's. positions, slots, ctx: int64 [T]; tables: int64 [T, W]."""
-        rc = self.lib.decode_layers(ctypes.byref(self._model), first, last, x.data_ptr(), h.data_ptr(),
-                                    x.shape[0], positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-                                    ctx.data_ptr(), tables.shape[1])
-        if rc != 0:
-            raise RuntimeError(f"decode_layers: a linear refused its matrix (code {rc})")
+    def run(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            tables: torch.Tensor, ctx: torch.Tensor,
+            between_layers: Callable[[int, int], None] | None = None) -> None:
+        """Every layer on the step's T decode rows: x (float32 [T, hidden], the residual)
+        updated in place; h (float32 [T, hidden]): the first layer's normed input. positions,
+        slots, ctx: int64 [T]; tables: int64 [T, W]. With between_layers, one call a layer and
+        between_layers(done, num_layers) after each but the last (as forward calls it)."""
+        n = self.num_layers
+        for first in range(n) if between_layers is not None else (0,):
+            last = first + 1 if between_layers is not None else n
+            rc = self.lib.decode_layers(ctypes.byref(self._model), first, last, x.data_ptr(), h.data_ptr(),
+                                        x.shape[0], positions.data_ptr(), slots.data_ptr(),
+                                        tables.data_ptr(), ctx.data_ptr(), tables.shape[1])
+            if rc != 0:
+                raise RuntimeError(f"decode_layers: a linear refused its matrix (code {rc})")
+            if between_layers is not None and last < n:
+                between_layers(last, n)

@@ -78,7 +78,11 @@ class LlamaModel:
         self._paged = _paged_decode(decode_attention, device)
         self.decode_attention = "triton" if self._paged is not None else (
             "cpu-kernel" if self.cpu_kernels is not None else "gather")
-        self._c_plan: cpu_kernels.DecodeLayers | None = None  # `_c_layers`
+        # `_c_layers`: decode steps' layers in C where every layer linear is a GGUF kernel's
+        self._c_linears = (self.cpu_kernels is not None and self._gguf_layers and self._paged is None
+                           and all(lin.out_dtype == torch.float32 for layer in self.layers
+                                   for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+        self._c_plan: cpu_kernels.DecodeLayers | None = None
         cos, sin = rope_tables(c, t.get("rope_freqs"))
         self.rope_cos = cos.to(device=device, dtype=dtype)  # [max_position, D]
         self.rope_sin = sin.to(device=device, dtype=dtype)  # [max_position, D], first half negated
@@ -105,41 +109,35 @@ class LlamaModel:
         # returns (no float32 copies in between; the same numbers).
         bf16 = self._bf16_step(t, p)
         h = self._norm(x, None, self.layers[0].attn_norm, bf16)
-        c_layers = self._c_layers(kv) if fused and not meta.prefills and not bf16 and t else None
-        if c_layers is not None:  # a decode step: each layer one C call (same kernels, same bits)
-            n = len(self.layers)
-            for i in range(n) if between_layers is not None else (0,):
-                c_layers(i, i + 1 if between_layers is not None else n, x, h, positions, meta.slots,
-                         meta.decode_blocks, meta.decode_ctx)
-                if between_layers is not None and i + 1 < n:
-                    between_layers(i + 1, n)
-            x = self._norm(x[logit_rows].contiguous(), None, self.norm)
-            return self.lm_head(x).float()
-        for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(h, p)  # [T, (H + 2 Hkv) D]
-            if fused:  # RoPE in place, K/V into the cache: one pass
-                cpu_kernels.rope_write_kv(self.cpu_kernels, qkv, positions, self.rope_cos, self.rope_sin,
-                                          meta.slots, kv.k[i], kv.v[i], c.num_heads, c.num_kv_heads,
-                                          c.head_dim)
-                qk = qkv[:, :self.q_size + self.kv_size].view(t, nq, c.head_dim)
-            else:
-                qk = qkv[:, :self.q_size + self.kv_size].view(t, nq, c.head_dim)
-                qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)  # RoPE, rotate-half
-            q = qk[:, :c.num_heads]
-            k = qk[:, c.num_heads:]
-            v = qkv[:, self.q_size + self.kv_size:].view(t, c.num_kv_heads, c.head_dim)
-            if not fused:
-                write_kv(kv.k[i], kv.v[i], k, v, meta.slots)
-            attn = attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self.cpu_kernels,
-                          self._paged)  # [T, H * D]
-            h = self._norm(x, _mm(layer.o, attn, p, bf16), layer.ffn_norm, bf16)
-            mlp = _mm(layer.down, self._silu_mul(_mm(layer.gate_up, h, p, bf16)), p, bf16)
-            if i + 1 < len(self.layers):
-                h = self._norm(x, mlp, self.layers[i + 1].attn_norm, bf16)
-                if between_layers is not None:
-                    between_layers(i + 1, len(self.layers))
-            else:
-                x.add_(mlp)
+        c_layers = self._c_layers(kv) if fused and not meta.prefills and not bf16 else None
+        if c_layers is not None:  # a decode step: one C call a layer (the same kernels, the same bits)
+            c_layers.run(x, h, positions, meta.slots, meta.decode_blocks, meta.decode_ctx, between_layers)
+        else:
+            for i, layer in enumerate(self.layers):
+                qkv = layer.qkv(h, p)  # [T, (H + 2 Hkv) D]
+                if fused:  # RoPE in place, K/V into the cache: one pass
+                    cpu_kernels.rope_write_kv(self.cpu_kernels, qkv, positions, self.rope_cos, self.rope_sin,
+                                              meta.slots, kv.k[i], kv.v[i], c.num_heads, c.num_kv_heads,
+                                              c.head_dim)
+                    qk = qkv[:, :self.q_size + self.kv_size].view(t, nq, c.head_dim)
+                else:
+                    qk = qkv[:, :self.q_size + self.kv_size].view(t, nq, c.head_dim)
+                    qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)  # RoPE, rotate-half
+                q = qk[:, :c.num_heads]
+                k = qk[:, c.num_heads:]
+                v = qkv[:, self.q_size + self.kv_size:].view(t, c.num_kv_heads, c.head_dim)
+                if not fused:
+                    write_kv(kv.k[i], kv.v[i], k, v, meta.slots)
+                attn = attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self.cpu_kernels,
+                              self._paged)  # [T, H * D]
+                h = self._norm(x, _mm(layer.o, attn, p, bf16), layer.ffn_norm, bf16)
+                mlp = _mm(layer.down, self._silu_mul(_mm(layer.gate_up, h, p, bf16)), p, bf16)
+                if i + 1 < len(self.layers):
+                    h = self._norm(x, mlp, self.layers[i + 1].attn_norm, bf16)
+                    if between_layers is not None:
+                        between_layers(i + 1, len(self.layers))
+                else:
+                    x.add_(mlp)
         x = self._norm(x[logit_rows].contiguous(), None, self.norm)
         return self.lm_head(x).float()
 
@@ -151,11 +149,7 @@ class LlamaModel:
         if plan is not None and plan.cache_ptr == kv.k[0].data_ptr():
             return plan
         c = self.config
-        if (self.cpu_kernels is None or not self._gguf_layers or self._paged is not None
-                or not hasattr(self.cpu_kernels, "decode_layers")
-                or not attention.kernel_fits(self.cpu_kernels, c.head_dim, kv.k[0].dtype)
-                or any(lin.out_dtype != torch.float32 for layer in self.layers
-                       for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))):
+        if not self._c_linears or not attention.kernel_fits(self.cpu_kernels, c.head_dim, kv.k[0].dtype):
             return None
         self._c_plan = cpu_kernels.DecodeLayers(
             self.cpu_kernels, [(layer.attn_norm, layer.ffn_norm) for layer in self.layers],

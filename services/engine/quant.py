@@ -153,9 +153,11 @@ class GGUFLinear:
         n, k = self.weight.shape
         code = gguf_kernels.FORMATS[self.weight.kind][0]
         if self._interleaved is not None:
-            return ctypes.cast(self._il.gguf_linear_il16, ctypes.c_void_p).value, code, self._interleaved.data_ptr(), n, k
-        fn = self._lib.gguf_linear_bf16 if self._decode_bf16 else self._lib.gguf_linear
-        return ctypes.cast(fn, ctypes.c_void_p).value, code, self.weight.blocks.data_ptr(), n, k
+            fn, w = self._il.gguf_linear_il16, self._interleaved
+        else:
+            fn = self._lib.gguf_linear_bf16 if self._decode_bf16 else self._lib.gguf_linear
+            w = self.weight.blocks
+        return ctypes.cast(fn, ctypes.c_void_p).value, code, w.data_ptr(), n, k
 
     def bf16_step(self, rows: int, prefill_rows: int) -> bool:
         """Whether a step of `rows` rows, the first `prefill_rows` of them prompt tokens, is
