@@ -236,7 +236,7 @@ class _DLModel(ctypes.Structure):
                 ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("block_size", ctypes.c_int64), ("cache_f16", ctypes.c_int64),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("eps", ctypes.c_double),
-                ("scale", ctypes.c_double)]
+                ("scale", ctypes.c_double), ("prefetch_next", ctypes.c_void_p)]
 
 
 class DecodeLayers:
@@ -247,9 +247,11 @@ class DecodeLayers:
 
     def __init__(self, lib: ctypes.CDLL, layers: list, linears: list[tuple], kv_k: list[torch.Tensor],
                  kv_v: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, *, hidden: int,
-                 heads: int, kv_heads: int, head_dim: int, eps: float, scale: float):
+                 heads: int, kv_heads: int, head_dim: int, eps: float, scale: float,
+                 prefetch_next: int | None = None):
         """layers: (attn_norm, ffn_norm) per layer; linears: per layer the four
-        `decode_kernel()` tuples (qkv, o, gate_up, down)."""
+        `decode_kernel()` tuples (qkv, o, gate_up, down); prefetch_next: the address of
+        gguf_interleaved.c's gguf_il16_prefetch_next where the Q/K/V linears are that kernel."""
         self.lib, self.num_layers = lib, len(layers)
         self._keep = (layers, kv_k, kv_v, cos, sin)
         arr = (_DLLayer * len(layers))()
@@ -259,7 +261,8 @@ class DecodeLayers:
         self._layers = arr
         self.cache_ptr = kv_k[0].data_ptr()
         self._model = _DLModel(arr, len(layers), hidden, heads, kv_heads, head_dim, kv_k[0].shape[1],
-                             int(kv_k[0].dtype == torch.float16), cos.data_ptr(), sin.data_ptr(), eps, scale)
+                             int(kv_k[0].dtype == torch.float16), cos.data_ptr(), sin.data_ptr(), eps, scale,
+                             prefetch_next)
 
     def run(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             tables: torch.Tensor, ctx: torch.Tensor,

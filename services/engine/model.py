@@ -83,6 +83,9 @@ class LlamaModel:
                            and all(lin.out_dtype == torch.float32 for layer in self.layers
                                    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)))
         self._c_plan: cpu_kernels.DecodeLayers | None = None
+        # the C decode layers have each layer's Q/K/V multiply prefetch its K/V rows for the
+        # attention after it (where that multiply is the interleaved kernel); False: not
+        self.prefetch_kv = True
         cos, sin = rope_tables(c, t.get("rope_freqs"))
         self.rope_cos = cos.to(device=device, dtype=dtype)  # [max_position, D]
         self.rope_sin = sin.to(device=device, dtype=dtype)  # [max_position, D], first half negated
@@ -156,7 +159,8 @@ class LlamaModel:
             [[lin.decode_kernel() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
              for layer in self.layers],
             kv.k, kv.v, self.rope_cos, self.rope_sin, hidden=c.hidden_size, heads=c.num_heads,
-            kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_eps, scale=self.scale)
+            kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_eps, scale=self.scale,
+            prefetch_next=self.layers[0].qkv.prefetch_next_kernel() if self.prefetch_kv else None)
         return self._c_plan
 
     def _bf16_step(self, rows: int, prefill_rows: int) -> bool:

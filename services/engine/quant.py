@@ -159,6 +159,13 @@ class GGUFLinear:
             w = self.weight.blocks
         return ctypes.cast(fn, ctypes.c_void_p).value, code, w.data_ptr(), n, k
 
+    def prefetch_next_kernel(self) -> int | None:
+        """Where decode rows go through the interleaved kernel: the address of its
+        gguf_il16_prefetch_next (rows it prefetches during its next call), else None."""
+        if self._interleaved is None:
+            return None
+        return ctypes.cast(self._il.gguf_il16_prefetch_next, ctypes.c_void_p).value
+
     def bf16_step(self, rows: int, prefill_rows: int) -> bool:
         """Whether a step of `rows` rows, the first `prefill_rows` of them prompt tokens, is
         multiplied in bfloat16 whole (then __call__ takes and, asked to, returns bfloat16)."""

@@ -533,7 +533,28 @@ struct dl_model {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, block_size, cache_f16;
     const float *cos, *sin;  /* rope tables, [P, D] */
     double eps, scale;       /* as the float32 the Python calls pass */
+    /* gguf_interleaved.c's gguf_il16_prefetch_next where the Q/K/V multiply is that kernel
+       (it then prefetches the layer's K/V rows for the attention after it), else 0 */
+    void (*prefetch_next)(const char *const *rows, int64_t n, int64_t lines);
 };
+
+/* The addresses of the K and V rows (all KV heads of a position) the attention of a layer
+   reads: every row's context, each sequence once (a speculative chunk's rows share blocks
+   and grow by one position). Returns how many. */
+static int64_t dl_kv_rows(const struct dl_model *m, const struct dl_layer *L, int64_t T,
+                          const int64_t *tables, const int64_t *ctx, int64_t max_nb, const char **rows) {
+    int64_t bs = m->block_size, row = m->kv_heads * m->head_dim * (m->cache_f16 ? 2 : 4), n = 0;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t *table = tables + t * max_nb;
+        int64_t from = t > 0 && table[0] == table[-max_nb] ? ctx[t - 1] : 0;
+        for (int64_t l = from; l < ctx[t]; l++) {
+            int64_t at = (table[l / bs] * bs + l % bs) * row;
+            rows[n++] = (const char *)L->cache_k + at;
+            rows[n++] = (const char *)L->cache_v + at;
+        }
+    }
+    return n;
+}
 
 static inline int dl_mm(const struct dl_linear *l, const float *x, float *y, int64_t M) {
     return l->fn((int)l->fmt, x, l->w, y, M, l->n, l->k);
@@ -552,9 +573,13 @@ int decode_layers(const struct dl_model *m, int64_t first, int64_t last, float *
     float *qkv = malloc(sizeof(float) * T * width), *q = malloc(sizeof(float) * T * H * D);
     float *attn = malloc(sizeof(float) * T * H * D), *delta = malloc(sizeof(float) * T * E);
     float *gu = malloc(sizeof(float) * T * 2 * inter), *act = malloc(sizeof(float) * T * inter);
-    int rc = (qkv && q && attn && delta && gu && act) ? 0 : -2;
+    int64_t row_bytes = m->kv_heads * D * (m->cache_f16 ? 2 : 4);
+    const char **rows = m->prefetch_next ? malloc(sizeof(char *) * 2 * T * max_nb * m->block_size) : 0;
+    int rc = (qkv && q && attn && delta && gu && act && (rows || !m->prefetch_next)) ? 0 : -2;
     for (int64_t i = first; i < last && !rc; i++) {
         const struct dl_layer *L = m->layers + i;
+        if (rows)
+            m->prefetch_next(rows, dl_kv_rows(m, L, T, tables, ctx, max_nb, rows), (row_bytes + 63) / 64);
         if ((rc = dl_mm(&L->qkv, h, qkv, T))) break;
         rope_write_kv(qkv, pos, m->cos, m->sin, slots, L->cache_k, L->cache_v, (int)m->cache_f16, T, H, Hkv, D);
         for (int64_t t = 0; t < T; t++) memcpy(q + t * H * D, qkv + t * width, sizeof(float) * H * D);
@@ -574,6 +599,6 @@ int decode_layers(const struct dl_model *m, int64_t first, int64_t last, float *
         else
             for (int64_t j = 0; j < T * E; j++) x[j] += delta[j];
     }
-    free(qkv); free(q); free(attn); free(delta); free(gu); free(act);
+    free(qkv); free(q); free(attn); free(delta); free(gu); free(act); free(rows);
     return rc;
 }

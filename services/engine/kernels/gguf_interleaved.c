@@ -83,6 +83,20 @@ static inline __m512 dp_bcast(__m512 acc, __m512bh w, const uint16_t *p) {
     return acc;
 }
 
+/* Rows another kernel reads next, prefetched into L2 a few per block by the next
+   gguf_linear_il16 call, spread over its work: the engine's decode step hands it the layer's
+   K/V rows before the Q/K/V multiply (fused_avx2.c decode_layers), so the attention after it
+   finds them in cache instead of waiting on memory (its multiply is bound by VDPBF16PS, the
+   attention by memory latency). rows: n addresses of `lines` 64-byte lines each; kept until
+   that call (one caller thread). */
+struct side { const char *const *rows; int64_t n, lines; };
+static struct side next_side;
+void gguf_il16_prefetch_next(const char *const *rows, int64_t n, int64_t lines) {
+    next_side.rows = rows;
+    next_side.lines = lines;
+    next_side.n = rows && lines > 0 ? n : 0;
+}
+
 /* bfloat16 of 0..15, looked up by nibble */
 static const uint16_t BF16_NIBBLE[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
                                          0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
@@ -105,7 +119,8 @@ static inline __attribute__((always_inline)) __m512bh pair_q(int fmt, const uint
    [M, K]; xs: each input row's block sums [M, K / 32] (of the bfloat16 values). */
 #define TILE(MR)                                                                                      \
 static inline __attribute__((always_inline)) void tile_##MR(int fmt, const uint16_t *xb,             \
-        const float *xs, const uint8_t *pk, float *y, int64_t j0, int64_t g, int64_t N, int64_t K) {  \
+        const float *xs, const uint8_t *pk, float *y, int64_t j0, int64_t g, int64_t N, int64_t K,    \
+        const struct side *sd, int64_t p0, int64_t p1) {                                              \
     __m512i lut = _mm512_loadu_si512((const void *)BF16_NIBBLE);                                      \
     int64_t nb = K / QK, ub = unit_bytes(fmt);                                                        \
     const uint8_t *unit = pk + g * nb * ub;                                                           \
@@ -114,6 +129,9 @@ static inline __attribute__((always_inline)) void tile_##MR(int fmt, const uint1
     for (int64_t b = 0; b < nb; b++, unit += ub) {                                                    \
         for (int64_t o = 0; o < ub; o += 64)  /* four units ahead */                                  \
             _mm_prefetch((const char *)(unit + 4 * ub + o), _MM_HINT_T0);                            \
+        for (int64_t r = p0 + (p1 - p0) * b / nb, e = p0 + (p1 - p0) * (b + 1) / nb; r < e; r++)     \
+            for (int64_t l = 0; l < sd->lines; l++)                                                   \
+                _mm_prefetch(sd->rows[r] + 64 * l, _MM_HINT_T0);                                      \
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)unit));                       \
         __m512 m = fmt == FMT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(unit + 32))) \
                  : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));  /* Q4_0: d * (q - 8) */                 \
@@ -135,37 +153,43 @@ static inline __attribute__((always_inline)) void tile_##MR(int fmt, const uint1
 }
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
 
+/* Group g's share of the side rows, [q0, q1), spread over its tiles' blocks. */
 static inline __attribute__((always_inline)) void group_impl(int fmt, const uint16_t *xb, const float *xs,
-        const uint8_t *pk, float *y, int64_t M, int64_t g, int64_t N, int64_t K) {
+        const uint8_t *pk, float *y, int64_t M, int64_t g, int64_t N, int64_t K, const struct side *sd) {
+    int64_t q0 = sd->n * g / (N / 16), q1 = sd->n * (g + 1) / (N / 16), tiles = (M + MC - 1) / MC;
     for (int64_t j0 = 0; j0 < M; j0 += MC) {
+        int64_t t = j0 / MC, p0 = q0 + (q1 - q0) * t / tiles, p1 = q0 + (q1 - q0) * (t + 1) / tiles;
         switch (M - j0 < MC ? M - j0 : MC) {
-            case 1: tile_1(fmt, xb, xs, pk, y, j0, g, N, K); break;
-            case 2: tile_2(fmt, xb, xs, pk, y, j0, g, N, K); break;
-            case 3: tile_3(fmt, xb, xs, pk, y, j0, g, N, K); break;
-            case 4: tile_4(fmt, xb, xs, pk, y, j0, g, N, K); break;
-            case 5: tile_5(fmt, xb, xs, pk, y, j0, g, N, K); break;
-            case 6: tile_6(fmt, xb, xs, pk, y, j0, g, N, K); break;
-            case 7: tile_7(fmt, xb, xs, pk, y, j0, g, N, K); break;
-            default: tile_8(fmt, xb, xs, pk, y, j0, g, N, K); break;
+            case 1: tile_1(fmt, xb, xs, pk, y, j0, g, N, K, sd, p0, p1); break;
+            case 2: tile_2(fmt, xb, xs, pk, y, j0, g, N, K, sd, p0, p1); break;
+            case 3: tile_3(fmt, xb, xs, pk, y, j0, g, N, K, sd, p0, p1); break;
+            case 4: tile_4(fmt, xb, xs, pk, y, j0, g, N, K, sd, p0, p1); break;
+            case 5: tile_5(fmt, xb, xs, pk, y, j0, g, N, K, sd, p0, p1); break;
+            case 6: tile_6(fmt, xb, xs, pk, y, j0, g, N, K, sd, p0, p1); break;
+            case 7: tile_7(fmt, xb, xs, pk, y, j0, g, N, K, sd, p0, p1); break;
+            default: tile_8(fmt, xb, xs, pk, y, j0, g, N, K, sd, p0, p1); break;
         }
     }
 }
 
 typedef void (*group_fn)(const uint16_t *, const float *, const uint8_t *, float *, int64_t, int64_t,
-                         int64_t, int64_t);
+                         int64_t, int64_t, const struct side *);
 #define GROUP_FN(F)                                                                                   \
 static void group_##F(const uint16_t *xb, const float *xs, const uint8_t *pk, float *y, int64_t M,   \
-                      int64_t g, int64_t N, int64_t K) {                                              \
-    group_impl(FMT_##F, xb, xs, pk, y, M, g, N, K);                                                  \
+                      int64_t g, int64_t N, int64_t K, const struct side *sd) {                      \
+    group_impl(FMT_##F, xb, xs, pk, y, M, g, N, K, sd);                                              \
 }
 GROUP_FN(Q8_0)
 GROUP_FN(Q4_0)
 GROUP_FN(Q4_1)
 
 /* x: float32 [M, K]; pk: gguf_pack_il16's layout of N rows; y: float32 [M, N]. Returns 0, or
-   -1 for another format, N not a multiple of 16 or K of 32. */
+   -1 for another format, N not a multiple of 16 or K of 32. Prefetches the rows that
+   gguf_il16_prefetch_next gave it, if any (then forgets them). */
 int gguf_linear_il16(int fmt, const float *x, const uint8_t *pk, float *y, int64_t M, int64_t N,
                      int64_t K) {
+    struct side sd = next_side;
+    next_side.n = 0;
     group_fn fn = fmt == FMT_Q4_1 ? group_Q4_1 : fmt == FMT_Q4_0 ? group_Q4_0
                 : fmt == FMT_Q8_0 ? group_Q8_0 : 0;
     if (!fn || N % 16 || K % QK) return -1;
@@ -187,7 +211,7 @@ int gguf_linear_il16(int fmt, const float *x, const uint8_t *pk, float *y, int64
                                                             _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
         }
         #pragma omp for schedule(guided)
-        for (int64_t g = 0; g < N / 16; g++) fn(xb, xs, pk, y, M, g, N, K);
+        for (int64_t g = 0; g < N / 16; g++) fn(xb, xs, pk, y, M, g, N, K, &sd);
     }
     free(xs);
     free(xb);

@@ -2,6 +2,8 @@
 forward's layer-by-layer Python: logits, KV cache writes and the between-layers hook alike."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -63,8 +65,27 @@ def test_the_interleaved_kernel_is_what_the_c_layers_call(lib, tmp_path):
         pytest.skip("no AVX512-BF16 here: the interleaved kernel is not built")
     runner = runner_for(tmp_path, "Q4_1", "auto")
     fn, _, w, _, _ = runner.model.layers[0].qkv.decode_kernel()
-    assert fn == gguf_kernels.ctypes.cast(il.gguf_linear_il16, gguf_kernels.ctypes.c_void_p).value
+    assert fn == ctypes.cast(il.gguf_linear_il16, ctypes.c_void_p).value
     assert w == runner.model.layers[0].qkv._interleaved.data_ptr()
+    # and its Q/K/V multiply prefetches the K/V rows the attention reads next
+    decode_step(runner, [], c_path=True)
+    assert runner.model._c_plan._model.prefetch_next == ctypes.cast(il.gguf_il16_prefetch_next,
+                                                                    ctypes.c_void_p).value
+
+
+def test_rows_handed_to_the_interleaved_kernel_change_nothing_it_computes(tmp_path):
+    il = gguf_kernels.load_interleaved()
+    if il is None:
+        pytest.skip("no AVX512-BF16 here: the interleaved kernel is not built")
+    runner = runner_for(tmp_path, "Q4_1", "auto")
+    lin = runner.model.layers[0].gate_up
+    x = torch.randn(16, lin.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    plain = lin(x)
+    rows = (ctypes.c_char_p * 3000)(*[ctypes.cast(runner.kv.k[0].data_ptr() + 64 * i, ctypes.c_char_p)
+                                      for i in range(3000)])
+    il.gguf_il16_prefetch_next(rows, ctypes.c_int64(3000), ctypes.c_int64(2))
+    assert torch.equal(lin(x), plain)
+    assert torch.equal(lin(x), plain)  # the rows were forgotten after one call
 
 
 def test_steps_with_prompt_rows_stay_in_python(lib, tmp_path):
