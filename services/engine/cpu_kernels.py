@@ -100,8 +100,9 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-        lib.silu_mul.restype = None
-        lib.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        for name in ("silu_mul", "silu_mul_avx2", "silu_mul_avx512"):  # the first picks by the CPU
+            getattr(lib, name).restype = None
+            getattr(lib, name).argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
         lib.argmax_rows.restype = None
         lib.argmax_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.add_rmsnorm.restype = None

@@ -389,8 +389,11 @@ PAGED_DECODE_ATTENTION(paged_decode_attention, float, LOAD_F32)
 PAGED_DECODE_ATTENTION(paged_decode_attention_f16, uint16_t, LOAD_F16)
 
 /* gu: [M, 2I] (gate columns, then up columns) -> out: [M, I] = silu(gate) * up; both float32,
-   or both bfloat16 (bf16: computed in float32 from the widened values, then rounded). */
-void silu_mul(const void *gu, void *out, int64_t M, int64_t I, int bf16) {
+   or both bfloat16 (bf16: computed in float32 from the widened values, then rounded).
+   silu_mul takes silu_mul_avx512 where the CPU has AVX512-BF16: the same operations on 16
+   lanes (the same bits; a NaN stays a NaN), rounding to bfloat16 in one instruction instead of
+   ten; 1,024 x 1,536 on a 2-core Zen 4: 0.67 -> 0.33 ms in bfloat16, 0.47 -> 0.35 in float32. */
+void silu_mul_avx2(const void *gu, void *out, int64_t M, int64_t I, int bf16) {
     #pragma omp parallel for schedule(dynamic) if (M * I >= PARALLEL_MIN_ELEMS)
     for (int64_t m = 0; m < M; m++) {
         int64_t g = m * 2 * I, u = g + I, o = m * I;
@@ -406,6 +409,63 @@ void silu_mul(const void *gu, void *out, int64_t M, int64_t I, int bf16) {
             store1(out, o + k, gk / (1.0f + expf(-gk)) * load1(gu, u + k, bf16), bf16);
         }
     }
+}
+
+#define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+/* exp256 on 16 lanes, operation for operation (the same bits per lane). */
+TARGET_AVX512BF16 static inline __m512 exp512(__m512 x) {
+    const __m512 lim = _mm512_set1_ps(88.3762626647949f);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+TARGET_AVX512BF16 static inline __m512 load16(const void *row, int64_t i, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)row + i);
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+TARGET_AVX512BF16 void silu_mul_avx512(const void *gu, void *out, int64_t M, int64_t I, int bf16) {
+    #pragma omp parallel for schedule(dynamic) if (M * I >= PARALLEL_MIN_ELEMS)
+    for (int64_t m = 0; m < M; m++) {
+        int64_t g = m * 2 * I, u = g + I, o = m * I;
+        int64_t k = 0;
+        for (; k + 16 <= I; k += 16) {
+            __m512 gv = load16(gu, g + k, bf16);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            __m512 r = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), load16(gu, u + k, bf16));
+            if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + o + k), (__m256i)_mm512_cvtneps_pbh(r));
+            else _mm512_storeu_ps((float *)out + o + k, r);
+        }
+        for (; k + 8 <= I; k += 8) {  /* as silu_mul_avx2 computes these lanes */
+            __m256 gv = load8(gu, g + k, bf16);
+            __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            store8(out, o + k, _mm256_mul_ps(sg, load8(gu, u + k, bf16)), bf16);
+        }
+        for (; k < I; k++) {
+            float gk = load1(gu, g + k, bf16);
+            store1(out, o + k, gk / (1.0f + expf(-gk)) * load1(gu, u + k, bf16), bf16);
+        }
+    }
+}
+
+void silu_mul(const void *gu, void *out, int64_t M, int64_t I, int bf16) {
+    if (__builtin_cpu_supports("avx512bf16")) silu_mul_avx512(gu, out, M, I, bf16);
+    else silu_mul_avx2(gu, out, M, I, bf16);
 }
 
 /* Index of the first largest value of each row of x: [M, V], with torch.argmax's rules: ties

@@ -37,6 +37,23 @@ def test_silu_mul_in_bfloat16_rounds_the_float32_result(lib):
     torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)  # NaNs' bits aside, equal
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [1536, 1000, 27, 5])  # 16-lane, 8-lane and scalar tails
+def test_silu_mul_avx512_gives_the_avx2_bits(lib, dtype, inter):
+    if "avx512_bf16" not in cpu_kernels.cpu_flags():
+        pytest.skip("no AVX512-BF16 here: silu_mul runs its AVX2 build (the other tests)")
+    gate_up = (torch.randn(6, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 8).to(dtype)
+    gate_up[0, :3] = torch.tensor([-200.0, 200.0, float("inf")])
+    outs = []
+    for fn in (lib.silu_mul_avx2, lib.silu_mul_avx512, lib.silu_mul):
+        out = torch.empty(6, inter, dtype=dtype)
+        fn(gate_up.data_ptr(), out.data_ptr(), 6, inter, int(dtype == torch.bfloat16))
+        outs.append(out)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(outs[0].view(bits), outs[1].view(bits))
+    assert torch.equal(outs[1].view(bits), outs[2].view(bits))  # silu_mul picks it here
+
+
 @pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
 def test_add_rmsnorm_takes_and_gives_bfloat16_with_float32_numbers(lib, delta_dtype):
     g = torch.Generator().manual_seed(3)
