@@ -194,8 +194,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Ten
         return _decode(q, cache_k, cache_v, meta, scale, group, kernels, paged).view(t, h * d)
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     for run in meta.paged_prompts:
-        out[run.start:run.end] = cpu_kernels.paged_decode_attention(
-            kernels, q[run.start:run.end], cache_k, cache_v, run.blocks, run.ctx, scale)
+        cpu_kernels.paged_decode_attention(kernels, q[run.start:run.end], cache_k, cache_v, run.blocks,
+                                           run.ctx, scale, out=out[run.start:run.end])
     for span in meta.prefills:
         if span.paged:
             continue

@@ -99,7 +99,7 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         for name in ("paged_decode_attention", "paged_decode_attention_f16"):
             fn = getattr(lib, name)
             fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
         for name in ("silu_mul", "silu_mul_avx2", "silu_mul_avx512"):  # the first picks by the CPU
             getattr(lib, name).restype = None
             getattr(lib, name).argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
@@ -190,16 +190,23 @@ def add_rmsnorm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor | None, w
 
 
 def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                           tables: torch.Tensor, ctx: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: float32 [B, H, D]; cache_k/v: float32 or float16, contiguous [num_blocks, bs, Hkv, D];
-    tables: int64 [B, max_nb]; ctx: int64 [B] context lengths (>= 1) -> float32 [B, H, D]."""
-    q = q.contiguous()
+                           tables: torch.Tensor, ctx: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: float32 [B, H, D], each row's heads contiguous (a view of a step's Q/K/V rows is read
+    in place); cache_k/v: float32 or float16, contiguous [num_blocks, bs, Hkv, D]; tables:
+    int64 [B, max_nb]; ctx: int64 [B] context lengths (>= 1) -> float32 [B, H, D], written
+    into `out` when given (contiguous)."""
     b, h, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
     _, bs, hkv, _ = cache_k.shape
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty((b, h, d), dtype=torch.float32)
+    elif not out.is_contiguous() or out.shape != q.shape:
+        raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
     fn = lib.paged_decode_attention_f16 if cache_k.dtype == torch.float16 else lib.paged_decode_attention
     fn(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), tables.data_ptr(),
-       ctx.data_ptr(), out.data_ptr(), b, h, hkv, d, bs, tables.shape[1], scale)
+       ctx.data_ptr(), out.data_ptr(), b, h, hkv, d, bs, tables.shape[1], scale, q.stride(0))
     return out
 
 

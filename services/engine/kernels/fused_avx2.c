@@ -4,7 +4,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 /* Work items are handed out dynamically everywhere: on a shared 2-core machine, when one
    thread is preempted the other takes over the items it has not started, instead of
@@ -247,7 +246,8 @@ static inline void prefetch_row(const void *p) {
 }
 
 /* One query token per sequence over its paged K/V, read in place through its block table.
-   q, out: [B, H, D]; kc, vc: [num_blocks, bs, Hkv, D] of float32 (paged_decode_attention) or
+   q: B rows of [H, D], q_stride floats apart (H * D: contiguous; a step's Q/K/V rows: their Q
+   heads in place); out: [B, H, D]; kc, vc: [num_blocks, bs, Hkv, D] of float32 (paged_decode_attention) or
    float16 (paged_decode_attention_f16, converted as loaded); tables: [B, max_nb]; ctx: [B].
    Query head h uses KV head h / (H / Hkv). D % 8 == 0. Each (sequence, KV head) is one task:
    the offsets of its L cached rows (walked block by block, no division per row), scores for
@@ -316,7 +316,7 @@ static inline __attribute__((always_inline)) void NAME##_values(                
                                                                                                           \
 void NAME(const float *q, const T *kc, const T *vc, const int64_t *tables,                                \
           const int64_t *ctx, float *out, int64_t B, int64_t H, int64_t Hkv,                              \
-          int64_t D, int64_t bs, int64_t max_nb, float scale) {                                           \
+          int64_t D, int64_t bs, int64_t max_nb, float scale, int64_t q_stride) {                         \
     int64_t G = H / Hkv, row = Hkv * D;                                                                   \
     _Pragma("omp parallel for schedule(dynamic)")                                                         \
     for (int64_t task = 0; task < B * Hkv; task++) {                                                      \
@@ -328,7 +328,7 @@ void NAME(const float *q, const T *kc, const T *vc, const int64_t *tables,      
         for (int64_t l = 0, blk = 0; l < L; blk++)                                                        \
             for (int64_t i = 0; i < bs && l < L; i++, l++) off[l] = (table[blk] * bs + i) * row + hk * D; \
         for (int64_t l = L; l < Lp; l++) off[l] = off[0];                                                 \
-        const float *qb = q + (b * H + hk * G) * D;                                                       \
+        const float *qb = q + b * q_stride + hk * G * D;                                                  \
         for (int64_t l = 0; l < 16 && l < L; l++) prefetch_row(kc + off[l]);                              \
         for (int64_t l0 = 0; l0 < L; l0 += 4) {                                                           \
             const T *kr[4];                                                                               \
@@ -630,25 +630,24 @@ int decode_layers(const struct dl_model *m, int64_t first, int64_t last, float *
     int64_t E = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim;
     int64_t width = (H + 2 * Hkv) * D, inter = m->layers[first].gate_up.n / 2;
     float eps = (float)m->eps, scale = (float)m->scale;
-    float *qkv = malloc(sizeof(float) * T * width), *q = malloc(sizeof(float) * T * H * D);
+    float *qkv = malloc(sizeof(float) * T * width);
     float *attn = malloc(sizeof(float) * T * H * D), *delta = malloc(sizeof(float) * T * E);
     float *gu = malloc(sizeof(float) * T * 2 * inter), *act = malloc(sizeof(float) * T * inter);
     int64_t row_bytes = m->kv_heads * D * (m->cache_f16 ? 2 : 4);
     const char **rows = m->prefetch_next ? malloc(sizeof(char *) * 2 * T * max_nb * m->block_size) : 0;
-    int rc = (qkv && q && attn && delta && gu && act && (rows || !m->prefetch_next)) ? 0 : -2;
+    int rc = (qkv && attn && delta && gu && act && (rows || !m->prefetch_next)) ? 0 : -2;
     for (int64_t i = first; i < last && !rc; i++) {
         const struct dl_layer *L = m->layers + i;
         if (rows)
             m->prefetch_next(rows, dl_kv_rows(m, L, T, tables, ctx, max_nb, rows), (row_bytes + 63) / 64);
         if ((rc = dl_mm(&L->qkv, h, qkv, T))) break;
         rope_write_kv(qkv, pos, m->cos, m->sin, slots, L->cache_k, L->cache_v, (int)m->cache_f16, T, H, Hkv, D);
-        for (int64_t t = 0; t < T; t++) memcpy(q + t * H * D, qkv + t * width, sizeof(float) * H * D);
-        if (m->cache_f16)
-            paged_decode_attention_f16(q, L->cache_k, L->cache_v, tables, ctx, attn, T, H, Hkv, D,
-                                       m->block_size, max_nb, scale);
+        if (m->cache_f16)  /* the query heads read in place, in qkv's rows */
+            paged_decode_attention_f16(qkv, L->cache_k, L->cache_v, tables, ctx, attn, T, H, Hkv, D,
+                                       m->block_size, max_nb, scale, width);
         else
-            paged_decode_attention(q, L->cache_k, L->cache_v, tables, ctx, attn, T, H, Hkv, D,
-                                   m->block_size, max_nb, scale);
+            paged_decode_attention(qkv, L->cache_k, L->cache_v, tables, ctx, attn, T, H, Hkv, D,
+                                   m->block_size, max_nb, scale, width);
         if ((rc = dl_mm(&L->o, attn, delta, T))) break;
         add_rmsnorm(x, delta, 0, L->ffn_norm, h, 0, T, E, eps);
         if ((rc = dl_mm(&L->gate_up, h, gu, T))) break;
@@ -659,6 +658,6 @@ int decode_layers(const struct dl_model *m, int64_t first, int64_t last, float *
         else
             for (int64_t j = 0; j < T * E; j++) x[j] += delta[j];
     }
-    free(qkv); free(q); free(attn); free(delta); free(gu); free(act); free(rows);
+    free(qkv); free(attn); free(delta); free(gu); free(act); free(rows);
     return rc;
 }

@@ -87,3 +87,26 @@ def test_short_prompt_chunks_attend_through_the_kernel_as_through_torch(lib):
             assert [s.paged for s in meta.prefills] == [True, True, True, False, True]
             assert [(r.start, r.end) for r in meta.paged_prompts] == [(0, 29), (29 + long_len, 34 + long_len)]
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_kernel_reads_queries_in_place_and_writes_into_out(lib, cache_dtype):
+    """The query heads of a step's Q/K/V rows (a strided view) give the bits a contiguous copy
+    gives, and `out` is filled where it lies (no copies either way)."""
+    from services.engine import cpu_kernels
+
+    g = torch.Generator().manual_seed(9)
+    bs, nblk, hkv, group, d = 16, 64, 3, 3, 64
+    cache_k = torch.randn(nblk, bs, hkv, d, generator=g).to(cache_dtype)
+    cache_v = torch.randn(nblk, bs, hkv, d, generator=g).to(cache_dtype)
+    meta = scattered_decodes([5, 17, 100, 33], bs, nblk)
+    qkv = torch.randn(4, (hkv * group + 2 * hkv) * d, generator=g)
+    q = qkv[:, :hkv * group * d].view(4, hkv * group, d)
+    assert not q.is_contiguous()
+    ref = cpu_kernels.paged_decode_attention(lib, q.contiguous(), cache_k, cache_v, meta.decode_blocks,
+                                             meta.decode_ctx, 0.125)
+    staging = torch.full((6, hkv * group, d), 7.0)
+    got = cpu_kernels.paged_decode_attention(lib, q, cache_k, cache_v, meta.decode_blocks, meta.decode_ctx,
+                                             0.125, out=staging[1:5])
+    assert torch.equal(got, ref) and torch.equal(staging[1:5], ref)
+    assert (staging[0] == 7).all() and (staging[5] == 7).all()
