@@ -11,6 +11,9 @@ rope_write_kv: RoPE on a step's query and key heads in place, then its K/V into 
               slots (float32 or float16), one pass per layer
 silu_mul, argmax_rows: the MLP activation and greedy sampling in one pass each
               one call instead of torch's ~6 kernel launches per norm, per layer, per token
+              (silu_mul on 16 lanes where the CPU has AVX512-BF16, the same bits)
+decode_layers: a decode step's layers, each one call (`DecodeLayers`): the kernels above and
+              the GGUF linears in forward's order, without the Python between them
 
 torch's own int8 kernel (`_weight_int8pack_mm`) is slow on CPUs without AVX-512 and wants
 bfloat16 activations; this one reads each weight byte once and accumulates in float32. It is
