@@ -1,5 +1,7 @@
 /* The engine's fused AVX2 kernels (cpu_kernels.py documents each and builds this file at
-   first use with -mavx2 -mfma -mf16c -fopenmp; callers fall back to torch without AVX2). */
+   first use with -mavx2 -mfma -mf16c -fopenmp; callers fall back to torch without AVX2). A
+   kernel with an AVX-512 variant builds it with a target attribute and picks it at run time
+   (__builtin_cpu_supports), so this one build serves both kinds of CPU. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -633,8 +635,9 @@ int decode_layers(const struct dl_model *m, int64_t first, int64_t last, float *
     float *qkv = malloc(sizeof(float) * T * width);
     float *attn = malloc(sizeof(float) * T * H * D), *delta = malloc(sizeof(float) * T * E);
     float *gu = malloc(sizeof(float) * T * 2 * inter), *act = malloc(sizeof(float) * T * inter);
-    int64_t row_bytes = m->kv_heads * D * (m->cache_f16 ? 2 : 4);
-    const char **rows = m->prefetch_next ? malloc(sizeof(char *) * 2 * T * max_nb * m->block_size) : 0;
+    int64_t row_bytes = m->kv_heads * D * (m->cache_f16 ? 2 : 4), positions = 0;
+    for (int64_t t = 0; t < T; t++) positions += ctx[t];
+    const char **rows = m->prefetch_next ? malloc(sizeof(char *) * 2 * positions) : 0;
     int rc = (qkv && attn && delta && gu && act && (rows || !m->prefetch_next)) ? 0 : -2;
     for (int64_t i = first; i < last && !rc; i++) {
         const struct dl_layer *L = m->layers + i;
