@@ -85,7 +85,17 @@ def test_rows_handed_to_the_interleaved_kernel_change_nothing_it_computes(tmp_pa
                                       for i in range(3000)])
     il.gguf_il16_prefetch_next(rows, ctypes.c_int64(3000), ctypes.c_int64(2))
     assert torch.equal(lin(x), plain)
-    assert torch.equal(lin(x), plain)  # the rows were forgotten after one call
+
+
+def test_the_k_v_prefetch_changes_no_bit_of_a_decode_step(lib, tmp_path):
+    if gguf_kernels.load_interleaved() is None:
+        pytest.skip("no AVX512-BF16 here: the interleaved kernel is not built")
+    with_prefetch, without = runner_for(tmp_path, "Q4_1", "auto"), runner_for(tmp_path, "Q4_1", "auto")
+    without.model.prefetch_kv = False
+    got, ref = decode_step(with_prefetch, [], c_path=True), decode_step(without, [], c_path=True)
+    assert with_prefetch.model._c_plan._model.prefetch_next and not without.model._c_plan._model.prefetch_next
+    assert torch.equal(got[0], ref[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
 
 
 def test_steps_with_prompt_rows_stay_in_python(lib, tmp_path):
