@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from services.engine.isa import cpu_flags  # noqa: F401 (the kernels' flags, capped by TOKENSERVE_CPU_ISA)
 from tokenserve.runtime.logging import get_logger
 
 log = get_logger(component="engine.cpu_kernels")
@@ -43,18 +44,6 @@ KERNEL_DIR = Path(__file__).parent / "kernels"  # the C sources, shipped with th
 
 _lib: ctypes.CDLL | None = None
 _tried = False
-
-
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where unreadable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
 
 
 def _cpu_has_avx2_fma_f16c() -> bool:
@@ -106,6 +95,9 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         for name in ("silu_mul", "silu_mul_avx2", "silu_mul_avx512"):  # the first picks by the CPU
             getattr(lib, name).restype = None
             getattr(lib, name).argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        lib.fused_allow_avx512bf16.restype = None
+        lib.fused_allow_avx512bf16.argtypes = [ctypes.c_int]
+        lib.fused_allow_avx512bf16(int("avx512_bf16" in cpu_flags()))
         lib.argmax_rows.restype = None
         lib.argmax_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.add_rmsnorm.restype = None

@@ -15,6 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
+from services.engine import isa
 from services.engine.block_manager import BlockManager
 from services.engine.config import COMPUTE_DTYPES, DECODE_DTYPES, PREFILL_DTYPES, EngineConfig
 from services.engine.energy import cuda_device_uuid, energy_source
@@ -124,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                     "--kv-cache-dtype/--prefill-dtype/--decode-dtype")
         a.quantization, a.dtype, a.kv_cache_dtype = "none", "float32", "float32"
     try:
+        isa.cap()  # a bad TOKENSERVE_CPU_ISA is a usage error, not a crash at model load
         return EngineConfig(
             model_path=a.model_path or default_model_path(), model_name=a.model_name,
             version=a.version, host=a.host, port=a.port,
@@ -162,7 +164,8 @@ def build_core(config: EngineConfig, window: LoadWindow | None = None) -> Engine
             last[0] = pct
             log.info("model_load_progress", done=done, total=total, percent=pct)
 
-    log.info("model_loading", path=str(config.model_path), device=config.device, dtype=config.dtype)
+    log.info("model_loading", path=str(config.model_path), device=config.device, dtype=config.dtype,
+             cpu_isa=isa.cap())
     runner = ModelRunner(
         config.model_path, device=config.device, dtype=config.dtype,
         quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,

@@ -1,7 +1,8 @@
 /* The engine's fused AVX2 kernels (cpu_kernels.py documents each and builds this file at
    first use with -mavx2 -mfma -mf16c -fopenmp; callers fall back to torch without AVX2). A
    kernel with an AVX-512 variant builds it with a target attribute and picks it at run time
-   (__builtin_cpu_supports), so this one build serves both kinds of CPU. */
+   (__builtin_cpu_supports, unless the loader's TOKENSERVE_CPU_ISA cap forbids it), so this one
+   build serves both kinds of CPU. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -392,7 +393,7 @@ PAGED_DECODE_ATTENTION(paged_decode_attention_f16, uint16_t, LOAD_F16)
 
 /* gu: [M, 2I] (gate columns, then up columns) -> out: [M, I] = silu(gate) * up; both float32,
    or both bfloat16 (bf16: computed in float32 from the widened values, then rounded).
-   silu_mul takes silu_mul_avx512 where the CPU has AVX512-BF16: the same operations on 16
+   silu_mul takes silu_mul_avx512 where the CPU has AVX512-BF16 (and no cap forbids it): the same operations on 16
    lanes (the same bits; a NaN stays a NaN), rounding to bfloat16 in one instruction instead of
    ten; 1,024 x 1,536 on a 2-core Zen 4: 0.67 -> 0.33 ms in bfloat16, 0.47 -> 0.35 in float32. */
 void silu_mul_avx2(const void *gu, void *out, int64_t M, int64_t I, int bf16) {
@@ -465,8 +466,13 @@ TARGET_AVX512BF16 void silu_mul_avx512(const void *gu, void *out, int64_t M, int
     }
 }
 
+/* Whether silu_mul may take the AVX512-BF16 path: set by the loader from the flags the kernels
+   may use (TOKENSERVE_CPU_ISA caps them below the CPU's), and the CPU must have it too. */
+static int allow_avx512bf16 = 1;
+void fused_allow_avx512bf16(int allow) { allow_avx512bf16 = allow; }
+
 void silu_mul(const void *gu, void *out, int64_t M, int64_t I, int bf16) {
-    if (__builtin_cpu_supports("avx512bf16")) silu_mul_avx512(gu, out, M, I, bf16);
+    if (allow_avx512bf16 && __builtin_cpu_supports("avx512bf16")) silu_mul_avx512(gu, out, M, I, bf16);
     else silu_mul_avx2(gu, out, M, I, bf16);
 }
 

@@ -254,3 +254,69 @@ def test_greedy_output_with_history_drafts_equals_plain_greedy(default_runner, t
     assert fast[0].drafter.history_proposed == 0
     counts = [(s.drafter.history_proposed, s.drafter.history_accepted) for s in fast]
     assert sum(a for _, a in counts[1:]) >= N_NEW // 2, counts
+
+
+# The defaults on a CPU with fewer instruction sets than this one: TOKENSERVE_CPU_ISA caps the
+# kernels (and torch, as `python -m services.engine` does) in a fresh process, which reports the
+# paths it took and its greedy tokens.
+CAPPED_RUN = r"""
+import json, sys
+from services.engine import isa
+isa.apply_to_torch()
+import torch
+from services.engine import cpu_kernels, gguf_kernels
+from services.engine.runner import ModelRunner
+from tests.integration.engine_model import oracle
+from tokenserve.models import default_model_path
+prompts, n = json.loads(sys.argv[1]), int(sys.argv[2])
+runner = ModelRunner(default_model_path(), num_blocks=160, quantization="auto")
+lib = gguf_kernels.load()
+paths = {"torch": torch.backends.cpu.get_cpu_capability(), "gguf": lib.gguf_isa().decode() if lib else None,
+         "interleaved": gguf_kernels.load_interleaved() is not None, "fused": cpu_kernels.load() is not None,
+         "c_layers": bool(runner.model._c_linears)}
+print(json.dumps({"paths": paths, "greedy": {k: oracle.runner_greedy(runner, p, n) for k, p in prompts.items()}}))
+"""
+
+
+def capped_greedy(level: str, prompts: dict[str, list[int]]) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TOKENSERVE_CPU_ISA": level}
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", CAPPED_RUN, json.dumps(prompts), str(N_NEW)], env=env,
+                          cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_an_avx2_only_cpu_gets_the_avx2_kernels_and_follows_the_exact_greedy_path(runner, cases):
+    """What a CPU without AVX-512 runs by default: the blocks' AVX2 build in float32
+    arithmetic, the C decode layers, torch at AVX2, a float16 KV cache."""
+    from services.engine import isa
+
+    if not {"avx2", "fma", "f16c"} <= isa.hardware_flags():
+        pytest.skip("this CPU lacks AVX2/FMA/F16C")
+    prompts = {name: cases[name] for name in ("chat", "code")}
+    got = capped_greedy("avx2", prompts)
+    assert got["paths"] == {"torch": "AVX2", "gguf": "avx2", "interleaved": False, "fused": True,
+                            "c_layers": True}
+    for name, prompt in prompts.items():
+        parts_only_at_near_ties(runner, prompt, oracle.runner_greedy(runner, prompt, N_NEW),
+                                got["greedy"][name], BFLOAT16_NEAR_TIE)
+
+
+def test_a_cpu_without_avx2_is_served_by_torch_and_follows_the_exact_greedy_path(runner, cases):
+    """No AVX at all: no C kernel is built; the file's blocks are dequantized once and torch
+    multiplies them."""
+    prompts = {name: cases[name] for name in ("chat", "code")}
+    got = capped_greedy("none", prompts)
+    assert got["paths"] == {"torch": "DEFAULT", "gguf": None, "interleaved": False, "fused": False,
+                            "c_layers": False}
+    for name, prompt in prompts.items():
+        parts_only_at_near_ties(runner, prompt, oracle.runner_greedy(runner, prompt, N_NEW),
+                                got["greedy"][name], BFLOAT16_NEAR_TIE)
