@@ -37,7 +37,10 @@ Prefix caching is off in the engine (distinct prompts per stream anyway).
 The JSON records the CPU flags, the measured copy bandwidth and the one-stream roofline
 (bandwidth / bytes of weights the default engine reads per token, bench/machine.py), and the
 engine's one-stream tokens/s as a fraction of it.
-Writes bench/results/engine_concurrency.json and .png.
+--isa avx2 measures as on a CPU without AVX-512 (bench/machine.py run_capped: the engine's
+TOKENSERVE_CPU_ISA, torch's ATEN_CPU_CAPABILITY/ONEDNN_MAX_CPU_ISA for transformers and vLLM,
+vLLM's AVX2 build; pass a llama-server built by `bench/build_llama_server.sh DIR avx2`).
+Writes bench/results/engine_concurrency.json and .png (engine_concurrency_<isa>.* under --isa).
 """
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ from tokenserve.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.machine import machine_facts  # noqa: E402
+from bench.machine import add_isa_arg, machine_facts, peer_env, run_capped  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -211,6 +214,7 @@ class VllmServer:
         env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=_cpu_list(cpus),
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0", OMP_NUM_THREADS=str(len(cpus)),
                    HF_HUB_OFFLINE="1")
+        env = peer_env(env)
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
                "--max-model-len", "2048", "--no-enable-prefix-caching", "--max-num-seqs", str(max_seqs)]
@@ -461,8 +465,13 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-model", default=None,
                     help="Hugging Face folder of the model for vLLM (the GGUF converted, see BENCH.md)")
     ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--out", default=str(RESULTS / "engine_concurrency"))
+    ap.add_argument("--out", default=None,
+                    help="path prefix of the JSON and PNG (default bench/results/engine_concurrency,"
+                         " with _<isa> under --isa)")
+    add_isa_arg(ap)
     a = ap.parse_args(argv)
+    run_capped(a.isa)
+    a.out = a.out or str(RESULTS / ("engine_concurrency" + ("" if a.isa == "auto" else f"_{a.isa}")))
     if bool(a.vllm_python) != bool(a.vllm_model):
         ap.error("--vllm-python and --vllm-model go together")
     conc = [int(c) for c in a.concurrency.split(",")]

@@ -17,7 +17,10 @@ settings: greedy agreement with float32 (--exact), teacher-forced (each position
 the float32 prefix) over 64 tokens of three prompts.
 llama.cpp in-process: its llama-bench binary with --llama-bench (same Q4_1 file and threads),
 else llama-cpp-python if importable (see shared/BENCH.md).
-Writes bench/results/engine_cpu.json and bench/results/engine_cpu.png.
+--isa avx2 measures as on a CPU without AVX-512 (bench/machine.py run_capped; give
+--llama-bench the one `bench/build_llama_server.sh DIR avx2` builds).
+Writes bench/results/engine_cpu.json and bench/results/engine_cpu.png (engine_cpu_<isa>.*
+under --isa).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 import torch  # noqa: E402
 
 from services.engine.interface import Batch, SamplingParams, SeqChunk  # noqa: E402
-from bench.machine import machine_facts  # noqa: E402
+from bench.machine import add_isa_arg, machine_facts, run_capped  # noqa: E402
 from services.engine.runner import ModelRunner  # noqa: E402
 from tokenserve.models import default_model_path  # noqa: E402
 from tokenserve.tokenization import load_model_tokenizer  # noqa: E402
@@ -217,9 +220,12 @@ def main() -> None:
                          " server): llama.cpp in-process as a peer")
     ap.add_argument("--configs", default="default,blocks-float32,float32,int8,bfloat16")
     ap.add_argument("--llama-cpp-child", action="store_true", help=argparse.SUPPRESS)
+    add_isa_arg(ap)
     args = ap.parse_args()
     if args.llama_cpp_child:
         return llama_cpp_child()
+    run_capped(args.isa)
+    stem = "engine_cpu" + ("" if args.isa == "auto" else f"_{args.isa}")
     torch.set_num_threads(args.threads)
     path = default_model_path()
     tok = load_model_tokenizer(path)
@@ -310,8 +316,8 @@ def main() -> None:
                       if llama_decode else "not measured; ratios use BENCH.md's 94 tok/s"),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "engine_cpu.json").write_text(json.dumps(result, indent=2))
-    plot(medians, RESULTS / "engine_cpu.png", args.threads)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    plot(medians, RESULTS / f"{stem}.png", args.threads)
     print(json.dumps({"medians": medians, "ratios": ratios, "quality": quality}, indent=2))
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.engine.cpu_kernels import cpu_flags  # noqa: E402
+from services.engine import isa  # noqa: E402
 
 # the flags that decide which kernels run (all of /proc/cpuinfo's are recorded too)
 KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -54,11 +54,48 @@ def default_weight_bytes(model_path: Path) -> int:
     return total
 
 
+ISA_SHIM = ROOT / "bench" / "isa_shim"  # sitecustomize for peers' Python processes (vLLM)
+
+
+def add_isa_arg(ap) -> None:
+    ap.add_argument("--isa", default="auto", choices=isa.LEVELS,
+                    help="measure as on a CPU with only these instruction sets (TOKENSERVE_CPU_ISA"
+                         " for the engine, the same cap for torch, transformers and vLLM; give"
+                         " llama.cpp a build for it: bench/build_llama_server.sh DIR avx2)")
+
+
+def run_capped(level: str) -> None:
+    """Makes this benchmark run as on a CPU of `level`: where the environment does not say so
+    yet, sets TOKENSERVE_CPU_ISA and torch's caps (isa.torch_env, read when torch loads) and
+    re-executes the process, so in-process peers and every process it starts see that CPU."""
+    want = {isa.CPU_ISA_ENV: level, **isa.torch_env(level)}
+    if level == "auto" and os.environ.get(isa.CPU_ISA_ENV, "auto") == "auto":
+        return
+    if all(os.environ.get(k) == v for k, v in want.items()):
+        return
+    os.environ.update(want)
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+def peer_env(env: dict[str, str]) -> dict[str, str]:
+    """A peer's environment under the cap: torch's CPU-feature queries, which vLLM uses to pick
+    its kernel build, answer as that CPU would (bench/isa_shim/sitecustomize.py)."""
+    if isa.cap() in ("avx2", "none"):
+        env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ISA_SHIM), env.get("PYTHONPATH")]))}
+    return env
+
+
 def machine_facts(model_path: Path | None = None) -> dict:
-    flags = cpu_flags()
+    """The CPU's own flags, and the cap the run was measured under (`isa_cap`, with the key
+    flags the kernels were allowed: `cpu_key_flags_used`)."""
+    flags = isa.hardware_flags()
     facts = {"cpus": len(os.sched_getaffinity(0)),
              "cpu_key_flags": [f for f in KEY_FLAGS if f in flags],
              "cpu_flags": sorted(flags),
+             "isa_cap": isa.cap(),
+             "cpu_key_flags_used": [f for f in KEY_FLAGS if f in isa.cpu_flags()],
+             "torch_isa_env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                          "MKL_ENABLE_INSTRUCTIONS") if k in os.environ},
              "copy_bandwidth_gbs": round(copy_bandwidth_gbs(), 2)}
     if model_path is not None:
         b = default_weight_bytes(model_path)
