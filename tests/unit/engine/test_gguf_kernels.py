@@ -73,6 +73,17 @@ def test_a_rows_result_does_not_depend_on_the_batch(glib, kind):
     assert torch.equal(gguf_kernels.linear(glib, x[1:9], w), full[1:9])  # direct, two passes
 
 
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_the_weights_multiplied_are_exactly_the_reference_dequantization(glib, kind):
+    """A one-hot input row picks one column of weights out of every product unchanged: what
+    each tile multiplies is the reference's float32 weight, bit for bit (one row, direct tiles
+    of up to 4, panels from 9)."""
+    w = blocks(kind, 37, 256, seed=3)
+    ref = w.dequantize()
+    for cols in ([5], [0, 31, 32, 255], list(range(100, 112))):
+        assert torch.equal(gguf_kernels.linear(glib, torch.eye(256)[cols], w), ref[:, cols].T)
+
+
 @pytest.fixture(scope="module")
 def bf16lib():
     """The build with the bfloat16-arithmetic kernel; skipped where this CPU lacks AVX512-BF16."""
