@@ -50,12 +50,12 @@ def test_dequantizes_exactly_as_the_reference(glib, kind):
 
 @pytest.mark.parametrize("kind", list(FORMATS))
 def test_linear_matches_float32_over_the_dequantized_weights(glib, kind):
-    # rows 1-8 take the direct tiles (4 at a time), 9+ the dequantized panels; N = 37 leaves
-    # remainders
+    # rows 1-8 take the direct tiles (4 at a time), 9+ the dequantized panels (tiles of 3 or 6
+    # input rows, and what is left); N = 37 leaves remainders
     w = blocks(kind, 37, 512, seed=1)
     ref_w = w.dequantize().double()
-    x = torch.randn(13, 512)
-    for m in (0, 1, 2, 3, 4, 5, 7, 8, 9, 13):
+    x = torch.randn(14, 512)
+    for m in (0, 1, 2, 3, 4, 5, 7, 8, 9, 11, 13, 14):
         y = gguf_kernels.linear(glib, x[:m], w)
         assert y.shape == (m, 37)
         ref = (x[:m].double() @ ref_w.T).float()
@@ -65,12 +65,14 @@ def test_linear_matches_float32_over_the_dequantized_weights(glib, kind):
 @pytest.mark.parametrize("kind", list(FORMATS))
 def test_a_rows_result_does_not_depend_on_the_batch(glib, kind):
     w = blocks(kind, 50, 256, seed=2)
-    x = torch.randn(9, 256)
-    full = gguf_kernels.linear(glib, x, w)
-    for i in range(9):
+    x = torch.randn(14, 256)
+    full = gguf_kernels.linear(glib, x, w)  # a panel, its input rows in tiles and remainders
+    for i in range(14):
         assert torch.equal(gguf_kernels.linear(glib, x[i:i + 1], w)[0], full[i])
     assert torch.equal(gguf_kernels.linear(glib, x[2:5], w), full[2:5])
     assert torch.equal(gguf_kernels.linear(glib, x[1:9], w), full[1:9])  # direct, two passes
+    for rows in (slice(0, 9), slice(1, 12), slice(3, 13)):  # panels of 9, 11 and 10 rows
+        assert torch.equal(gguf_kernels.linear(glib, x[rows], w), full[rows])
 
 
 @pytest.mark.parametrize("kind", list(FORMATS))
