@@ -16,11 +16,16 @@
    (Q4_0/Q4_1 nibbles: byte i holds element i in its low half and element i + 16 in its high
    half; Q4_K: sub-blocks 2g and 2g + 1 are the low and high halves of bytes 32g .. 32g + 31).
    Every format is walked in units of 32 weights ("blocks"; a Q4_K sub-block is one).
-   Each weight is dequantized in registers with exactly the float32 operations of the
-   reference dequantizer (gguf-py: one multiply, then for Q4_1 one add, never fused; on 16
-   lanes a 4-bit block's 16 possible weights are computed so once and looked up), so the
-   products use exactly the numbers the float32-dequantized model uses; only the summation
-   order differs from a float32 GEMM over those weights.
+   Each weight is dequantized in registers to exactly the float32 number of the reference
+   dequantizer (gguf-py: one multiply, then for Q4_1 one add, each rounded; on 16 lanes a
+   4-bit block's 16 possible weights are computed so once and looked up), so the products use
+   exactly the numbers the float32-dequantized model uses; only the summation order differs
+   from a float32 GEMM over those weights. Where the reference adds after its multiply (Q4_1
+   d * q + m, Q4_K (d * sc) * q - dmin * mn) one FMA gives its number: the product is exact in
+   float32 (an f16 scale has 11 significant bits, times a 4-bit quant, times Q4_K's 6-bit sub-
+   block scale, is at most 21 bits), so rounding it first changes nothing and the add's
+   rounding is the only one either way. Nothing else is fused (the build has
+   -ffp-contract=off).
 
    y[m, n] is one FMA chain over k in vector-width chunks, in order, then one horizontal sum
    in a fixed order, in every path: a row's result is bit-identical whatever M is and
@@ -59,6 +64,7 @@ typedef __m512 vf;
 typedef __m512i vi;
 #define vzero() _mm512_setzero_ps()
 #define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vfms(a, b, c) _mm512_fmsub_ps(a, b, c)
 #define vmul(a, b) _mm512_mul_ps(a, b)
 #define vadd(a, b) _mm512_add_ps(a, b)
 #define vset1(a) _mm512_set1_ps(a)
@@ -101,6 +107,7 @@ typedef __m256 vf;
 typedef __m256i vi;
 #define vzero() _mm256_setzero_ps()
 #define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vfms(a, b, c) _mm256_fmsub_ps(a, b, c)
 #define vmul(a, b) _mm256_mul_ps(a, b)
 #define vadd(a, b) _mm256_add_ps(a, b)
 #define vset1(a) _mm256_set1_ps(a)
@@ -249,7 +256,7 @@ static inline __attribute__((always_inline)) vf dequant(int fmt, const uint8_t *
         const uint8_t *q = row + (b >> 3) * 144 + 16 + ((b & 7) >> 1) * 32 + c * VW;
         vi v = load_u8(q);
         v = (b & 1) ? vsrl4(v) : vand15(v);
-        return vsub(vmul(d, vcvt(v)), m);
+        return vfms(d, vcvt(v), m);  /* exact product: see the header */
     }
     if (fmt == FMT_Q6_K) {
         /* sub-block j of the super-block: its low nibbles are bytes (j / 4) * 64 + (j & 1) * 32
@@ -269,7 +276,7 @@ static inline __attribute__((always_inline)) vf dequant(int fmt, const uint8_t *
     switch (fmt) {
         case FMT_Q8_0: return vmul(vcvt(load_i8(blk + 2, c)), d);
         case FMT_Q4_0: return vmul(d, vcvt(vsub_i(load_nib(blk + 2, c), 8)));
-        default: return vadd(vmul(d, vcvt(load_nib(blk + 4, c))), m);
+        default: return vfma(d, vcvt(load_nib(blk + 4, c)), m);  /* exact product: see the header */
     }
 }
 
@@ -286,17 +293,15 @@ static inline __attribute__((always_inline)) void dequant_block(int fmt, const u
     __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm16));
     vf d = _mm256_broadcastss_ps(dm), m = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dm), _mm256_set1_epi32(1));
     if (fmt == FMT_Q8_0) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(blk + 2)), c = _mm_loadu_si128((const __m128i *)(blk + 18));
-        vi q[NCH] = {_mm256_cvtepi8_epi32(a), _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(a, a)),
-                     _mm256_cvtepi8_epi32(c), _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(c, c))};
+        vi q[NCH] = {load_i8(blk + 2, 0), load_i8(blk + 2, 1), load_i8(blk + 2, 2), load_i8(blk + 2, 3)};
         UNROLL for (int i = 0; i < NCH; i++) out[i] = vmul(vcvt(q[i]), d);
         return;
     }
-    __m128i a = _mm_loadu_si128((const __m128i *)(blk + (fmt == FMT_Q4_1 ? 4 : 2)));
-    vi lo = _mm256_cvtepu8_epi32(a), hi = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(a, a));
+    const uint8_t *qs = blk + (fmt == FMT_Q4_1 ? 4 : 2);
+    vi lo = load_u8(qs), hi = load_u8(qs + 8);  /* each widened straight from memory */
     vi q[NCH] = {vand15(lo), vand15(hi), vsrl4(lo), vsrl4(hi)};  /* chunks 0-1 low halves, 2-3 high */
     if (fmt == FMT_Q4_0) UNROLL for (int i = 0; i < NCH; i++) out[i] = vmul(d, vcvt(vsub_i(q[i], 8)));
-    else UNROLL for (int i = 0; i < NCH; i++) out[i] = vadd(vmul(d, vcvt(q[i])), m);
+    else UNROLL for (int i = 0; i < NCH; i++) out[i] = vfma(d, vcvt(q[i]), m);  /* exact product */
 }
 #else
 static inline void dequant_block(int fmt, const uint8_t *blk, vf out[NCH]) { (void)fmt; (void)blk; (void)out; }
