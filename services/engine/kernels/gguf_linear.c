@@ -47,6 +47,11 @@
    3072x576 Q4_1 matrix x 30 at 4 / 6 / 8 rows 4.26 / 5.74 / 6.83 ms with the panel, 3.63 /
    5.07 / 5.79 ms without; from 12 rows on the panel is as fast or faster) */
 #define PANEL_MIN_ROWS 9
+/* Input rows per pass over the weights: a prompt's rows in blocks that stay in L2 (128 rows of
+   K = 1536 are 768 KiB) while each work item's panel multiplies them, instead of every panel
+   streaming all M rows from memory (all linears of a SmolLM2 step over 1,000 prompt rows on a
+   2-core Zen 4 capped at AVX2: 2.31 -> 1.84 s; 64 / 128 / 256-row blocks alike) */
+#define M_BLOCK 128
 /* Rows ahead whose blocks are prefetched: a tile reads 4 rows' blocks at once, which the
    hardware prefetcher does not follow well (one row, SmolLM2's 3072x576 Q4_1 matrix x 30:
    5.1 ms without, 2.0 ms with 8 rows ahead, 3.4 ms with 16: past the work item) */
@@ -499,10 +504,15 @@ int gguf_linear(int fmt, const float *x, const uint8_t *w, float *y, int64_t M, 
            prefetchers follow: all linears of a one-row step 5.1 -> 3.1 ms against
            dynamic's interleaved items), then ever smaller runs, so a preempted thread's
            share is still taken over by the other */
-        #pragma omp for schedule(guided)
-        for (int64_t g = 0; g < groups; g++) {
-            int64_t n0 = g * GROUP;
-            fn(x, w, y, pan, M, n0, n0 + GROUP < N ? GROUP : N - n0, N, K);
+        /* input rows in blocks of M_BLOCK, each block across all work items: a block's rows
+           stay in the L2 cache while every panel passes over them */
+        for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK) {
+            int64_t mb = M - m0 < M_BLOCK ? M - m0 : M_BLOCK;
+            #pragma omp for schedule(guided)
+            for (int64_t g = 0; g < groups; g++) {
+                int64_t n0 = g * GROUP;
+                fn(x + m0 * K, w, y + m0 * N, pan, mb, n0, n0 + GROUP < N ? GROUP : N - n0, N, K);
+            }
         }
         free(pan);
     }

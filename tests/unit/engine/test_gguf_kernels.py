@@ -73,6 +73,12 @@ def test_a_rows_result_does_not_depend_on_the_batch(glib, kind):
     assert torch.equal(gguf_kernels.linear(glib, x[1:9], w), full[1:9])  # direct, two passes
     for rows in (slice(0, 9), slice(1, 12), slice(3, 13)):  # panels of 9, 11 and 10 rows
         assert torch.equal(gguf_kernels.linear(glib, x[rows], w), full[rows])
+    # a prompt's rows go in blocks of 128 (here 128 + 128 + 5, the last on the direct tiles)
+    x = torch.randn(261, 256)
+    full = gguf_kernels.linear(glib, x, w)
+    for i in (0, 127, 128, 255, 256, 260):
+        assert torch.equal(gguf_kernels.linear(glib, x[i:i + 1], w)[0], full[i])
+    assert torch.equal(gguf_kernels.linear(glib, x[100:160], w), full[100:160])
 
 
 @pytest.mark.parametrize("kind", list(FORMATS))
