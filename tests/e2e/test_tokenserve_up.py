@@ -229,15 +229,14 @@ def test_one_of_two_replicas_killed_mid_stream_fails_over_to_the_other(up):
     # Two engines of 2 threads each share this machine's 2 cores, and the kill re-runs the cut
     # streams' work on the survivor, so a first token can take seconds here: the degradation
     # ladder (level 3, which sheds this standard-tier tenant, at twice the 2 s TTFT p99
-    # threshold) is not what this test is about, so it is lifted for the test and restored.
-    tsctl = [sys.executable, "-m", "controlplane.tsctl", "--endpoints", up.address("etcd")]
-
-    def ttft_threshold(seconds: float) -> None:
-        out = subprocess.run([*tsctl, "degrade", "set", "--ttft-p99", str(seconds)],
+    # threshold) is not what this test is about, so it is off for the test and back on after.
+    def degradation(switch: str) -> None:
+        out = subprocess.run([sys.executable, "-m", "controlplane.tsctl", "--endpoints",
+                              up.address("etcd"), "degrade", "set", switch],
                              capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert out.returncode == 0, out.stderr
 
-    ttft_threshold(600)
+    degradation("--disable")
     second = ServiceProcess("services.engine", [
         "--port", str(port), "--metrics-port", str(free_port()),
         "--model-path", str(default_model_path()), "--model-name", DEFAULT_MODEL_NAME,
@@ -303,7 +302,7 @@ def test_one_of_two_replicas_killed_mid_stream_fails_over_to_the_other(up):
             assert int(row["completion_tokens"]) >= cut[rid][2] > 0, (row, cut[rid])
     finally:
         second.kill()
-        ttft_threshold(2.0)  # the seeded default
+        degradation("--enable")
 
 def test_sigterm_stops_everything_and_leaves_nothing_running(up):
     pids = up.all_pids()
