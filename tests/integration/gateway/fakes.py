@@ -4,8 +4,12 @@ protos; the text they produce is meaningless. Tests of real generation use the r
 
 Fake tokenizer: one token per whitespace-separated word; a chat costs its words plus 2 per
 message plus 1 for the generation prompt. Fake engine: emits max_tokens tokens ("w0 w1 ..."),
-`delay` seconds apart, noticing a cancelled call between tokens (with `expire_within` set, it
-ends a request itself that close to the caller's deadline, as the real engine does); `fail_with` refuses every
+`delay` seconds apart; a call that ends before its last token without the fake ending it
+(cancelled, or its deadline passed) is recorded in `cancelled` and sets `cancel_seen`, through
+gRPC's termination callback: a sync server stops iterating a handler whose send failed, so a
+check between tokens alone misses a deadline that strikes just after one (with
+`expire_within` set, it ends a request itself that close to the caller's deadline, as the real
+engine does); `fail_with` refuses every
 call, or with `fail_every=n` every n-th one. Given `load` (a LoadReport), it streams that report
 from WatchLoad every 0.2 s (change `servicer.load` to report another load); without, WatchLoad
 is UNIMPLEMENTED, as on an engine that publishes no load. Every fake server serves
@@ -82,6 +86,15 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[0] must be >= 0")
         if self.hold is not None and not self.hold.wait(30):
             context.abort(grpc.StatusCode.INTERNAL, "fake engine: hold never released")
+        ended_itself = threading.Event()
+
+        def on_termination() -> None:
+            if not ended_itself.is_set():
+                with self._lock:
+                    self.cancelled.append(request.request_id)
+                self.cancel_seen.set()
+
+        context.add_callback(on_termination)
         for i in range(request.max_tokens):
             if self.delay:
                 time.sleep(self.delay)
@@ -89,24 +102,25 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             if self.expire_within is not None and left is not None and left < self.expire_within:
                 # as the real engine does when a request's deadline passes in its queue or
                 # batch: it ends the stream itself, finish reason cancelled
+                ended_itself.set()
                 yield engine_pb2.GenerateResponse(
                     finish_reason=common_pb2.FINISH_REASON_CANCELLED,
                     usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
                                            completion_tokens=i))
                 return
             if not context.is_active():
-                self.cancelled.append(request.request_id)
-                self.cancel_seen.set()
-                return
+                return  # on_termination records it
             last = i == request.max_tokens - 1
             resp = engine_pb2.GenerateResponse(token_ids=[1000 + i], text=f"w{i} ")
             if last:
+                ended_itself.set()
                 resp.finish_reason = common_pb2.FINISH_REASON_LENGTH
                 resp.usage.CopyFrom(common_pb2.Usage(
                     prompt_tokens=len(request.prompt_token_ids),
                     completion_tokens=request.max_tokens, cached_tokens=1))
                 resp.energy_joules = 0.5
             yield resp
+        ended_itself.set()  # max_tokens 0: no tokens, an ordinary end
 
     def WatchLoad(self, request, context):
         if self.load is None:
