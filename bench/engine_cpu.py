@@ -12,7 +12,8 @@ Configurations: `default` (the service's defaults: the GGUF file's own blocks, i
 arithmetic where the CPU has AVX512-BF16, float16 KV), `blocks-float32` (the same blocks in
 float32 arithmetic), `float32` (--exact), `int8`, `bfloat16`. No speculative decoding here:
 one token per step.
-Medians over runs, configurations interleaved inside each run. Quality of the faster
+Medians over runs, configurations interleaved inside each run; against llama.cpp also each
+run's own ratio and their median (a drift of the machine between runs moves both). Quality of the faster
 settings: greedy agreement with float32 (--exact), teacher-forced (each position's argmax given
 the float32 prefix) over 64 tokens of three prompts.
 llama.cpp in-process: its llama-bench binary with --llama-bench (same Q4_1 file and threads),
@@ -300,6 +301,13 @@ def main() -> None:
                                  m["decode_tok_s"] / (llama_decode or 94.0),
                              "ttft_128_vs_transformers_f32": m["ttft_128_s"] / hf32.get("ttft_128_s", float("nan")),
                              "ttft_1000_vs_transformers_f32": m["ttft_1000_s"] / hf32.get("ttft_1000_s", float("nan"))}
+                if llama_decode:
+                    # each run measures both within a minute: a drift of the machine between
+                    # runs moves both, so the per-run ratio is the steadier figure
+                    per_run = [a / b for a, b in zip(samples[n]["decode_tok_s"],
+                                                     samples[LlamaCpp.name]["decode_tok_s"])]
+                    ratios[n]["decode_vs_llama_cpp_per_run"] = per_run
+                    ratios[n]["decode_vs_llama_cpp_per_run_median"] = statistics.median(per_run)
     result = {
         "benchmark": "engine_cpu single stream", "model": path.name,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

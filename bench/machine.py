@@ -85,11 +85,24 @@ def peer_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name ("" where unreadable): machines of one flag set differ."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return ""
+
+
 def machine_facts(model_path: Path | None = None) -> dict:
-    """The CPU's own flags, and the cap the run was measured under (`isa_cap`, with the key
-    flags the kernels were allowed: `cpu_key_flags_used`)."""
+    """The CPU (its model name and own flags), and the cap the run was measured under
+    (`isa_cap`, with the key flags the kernels were allowed: `cpu_key_flags_used`)."""
     flags = isa.hardware_flags()
-    facts = {"cpus": len(os.sched_getaffinity(0)),
+    facts = {"cpu_model": cpu_model(),
+             "cpus": len(os.sched_getaffinity(0)),
              "cpu_key_flags": [f for f in KEY_FLAGS if f in flags],
              "cpu_flags": sorted(flags),
              "isa_cap": isa.cap(),
