@@ -46,6 +46,10 @@ _CFLAGS = ["-ffp-contract=off"]
 
 _libs: dict[str, ctypes.CDLL | None] = {}
 _interleaved: list[ctypes.CDLL | None] = []  # loaded once (kernels/gguf_interleaved.c)
+_interleaved_amx: list[bool] = []  # whether that build's AMX kernel is enabled
+# The AMX build of gguf_interleaved.c: compiler flags and the /proc/cpuinfo flags it needs
+AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]
+AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 # Formats kernels/gguf_interleaved.c serves (its rows in groups of 16)
 INTERLEAVED_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -91,23 +95,40 @@ def load(isa: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL |
 
 def load_interleaved(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     """kernels/gguf_interleaved.c (decode rows over interleaved Q4_0/Q4_1/Q8_0 blocks, in
-    bfloat16 arithmetic on the file's exact weights), or None where the CPU lacks AVX512-BF16
-    or nothing compiles."""
+    bfloat16 arithmetic), or None where the CPU lacks AVX512-BF16 or nothing compiles. Where
+    the CPU (under the ISA cap) also has AMX-BF16, the build carries gguf_linear_il16_amx and
+    the tile state is requested from Linux: `interleaved_amx` says whether that worked."""
     if _interleaved:
         return _interleaved[0]
     lib = None
     if "avx512bf16" in runnable_isas():
+        amx = AMX_CPU_FLAGS <= cpu_kernels.cpu_flags()
         try:
-            lib = ctypes.CDLL(str(cpu_kernels.build("gguf_interleaved.c", [*ISAS["avx512bf16"][0], *_CFLAGS],
-                                                     cache_dir)))
+            flags = [*ISAS["avx512bf16"][0], *(AMX_FLAGS if amx else []), *_CFLAGS]
+            lib = ctypes.CDLL(str(cpu_kernels.build("gguf_interleaved.c", flags, cache_dir)))
             lib.gguf_pack_il16.restype = lib.gguf_linear_il16.restype = ctypes.c_int
             lib.gguf_pack_il16.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
             lib.gguf_linear_il16.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+            if amx:
+                lib.gguf_linear_il16_amx.restype = ctypes.c_int
+                lib.gguf_linear_il16_amx.argtypes = lib.gguf_linear_il16.argtypes
+                amx = lib.gguf_il16_amx_init() == 0
+                if not amx:
+                    log.warning("gguf_interleaved_amx_unavailable", reason="Linux refused the AMX tile state")
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("gguf_interleaved_unavailable", reason=f"{type(e).__name__}: {e}"[:300])
-            lib = None
+            lib, amx = None, False
+        _interleaved_amx.append(amx)
+        log.info("gguf_interleaved_loaded", amx=amx)
     _interleaved.append(lib)
     return lib
+
+
+def interleaved_amx(lib: ctypes.CDLL | None) -> bool:
+    """Whether `lib` (load_interleaved's) multiplies decode rows with AMX tiles
+    (gguf_linear_il16_amx) rather than VDPBF16PS (gguf_linear_il16): the same arithmetic on the
+    file's exact weights, each block's products summed in another order."""
+    return lib is not None and bool(_interleaved_amx) and _interleaved_amx[0]
 
 
 @dataclass(frozen=True)
@@ -194,13 +215,15 @@ def pack_interleaved(lib: ctypes.CDLL, w: GGUFWeight) -> torch.Tensor | None:
     return out
 
 
-def linear_interleaved(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+def linear_interleaved(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, w: GGUFWeight,
+                       amx: bool = False) -> torch.Tensor:
     """x: float32 [M, K] (made contiguous) -> x @ w.T, float32 [M, N], with `packed` =
-    pack_interleaved(lib, w): the file's exact weights, x rounded to bfloat16, float32 sums."""
+    pack_interleaved(lib, w): the file's exact weights, x rounded to bfloat16, float32 sums;
+    with `amx` (where interleaved_amx(lib)) on AMX tiles."""
     x = x.contiguous()
     n, k = w.shape
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
-    if lib.gguf_linear_il16(FORMATS[w.kind][0], x.data_ptr(), packed.data_ptr(), y.data_ptr(),
-                            x.shape[0], n, k) != 0:
-        raise ValueError(f"gguf_linear_il16 rejected a {w.kind} {n}x{k} matrix")
+    fn = lib.gguf_linear_il16_amx if amx else lib.gguf_linear_il16
+    if fn(FORMATS[w.kind][0], x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], n, k) != 0:
+        raise ValueError(f"gguf_linear_il16{'_amx' if amx else ''} rejected a {w.kind} {n}x{k} matrix")
     return y

@@ -217,3 +217,178 @@ int gguf_linear_il16(int fmt, const float *x, const uint8_t *pk, float *y, int64
     free(xb);
     return 0;
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX (this source built again with -mamx-tile -mamx-bf16 where the CPU has AMX-BF16; then
+   gguf_kernels.py calls gguf_linear_il16_amx instead of gguf_linear_il16): the same
+   arithmetic as above, on tiles. A unit's 16 pairs of integers q (pair_q) are exactly an AMX
+   B tile (16 pairs of k x 16 weight rows), so a unit's sums of q * x for 16 input rows are one
+   TDPBF16PS (A: 16 input rows of the bfloat16 input, read in place), whose C tile is then
+   scaled into the rows' float32 sums as above: acc += d * part (+ m * the input block's sum).
+   So the weights are the file's exact numbers, the input is rounded to bfloat16, and only the
+   order of the 32 exact products inside a block's part differs from gguf_linear_il16 (the
+   tile's order rather than VDPBF16PS's). Each unit of a group is converted once into L1/L2 and
+   serves every 16 input rows; every M takes this one path, so y[m, n] is the same bits
+   whatever M is (tested): a row's result does not depend on the batch. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Asks Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA):
+   once per process, before any tile instruction. 0: granted. */
+int gguf_il16_amx_init(void) {
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1;
+}
+
+struct amx_cfg { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+/* Two tile sets, 0 (tiles 0, 2, 4) and 1 (tiles 1, 3, 5): A (input rows x 32 k), B (a unit's
+   pairs), C (input rows x 16 weight rows). Up to 16 input rows both hold all M rows and take
+   a unit each, two chains at once (one unit's part is a chain of tile loads, a multiply, a
+   store and vector loads: alone, its latency bounds a one-row call); more rows: set 0 holds
+   16, set 1 the last M % 16. */
+static void amx_configure(int64_t M) {
+    struct amx_cfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 6; t++) {  /* B tiles (2, 3) always hold a unit's 16 pairs */
+        c.colsb[t] = 64;
+        c.rows[t] = (uint8_t)(t == 2 || t == 3 ? 16 : M <= 16 ? M : (t & 1) && M % 16 ? M % 16 : 16);
+    }
+    _tile_loadconfig(&c);
+}
+
+/* One unit's part for the rows of one input tile, on tile set `set`, into cb [rows][16]. */
+static inline __attribute__((always_inline)) void amx_part(int set, const uint16_t *xt, int64_t xs,
+                                                           const uint16_t *bq, float *cb) {
+    if (set) {
+        _tile_loadd(1, xt, xs);
+        _tile_loadd(3, bq, 64);
+        _tile_zero(5);
+        _tile_dpbf16ps(5, 1, 3);
+        _tile_stored(5, cb, 64);
+    } else {
+        _tile_loadd(0, xt, xs);
+        _tile_loadd(2, bq, 64);
+        _tile_zero(4);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_stored(4, cb, 64);
+    }
+}
+
+/* acc[i] += d * part[i] (+ m * the block's input sum), rows i of input tile t */
+static inline __attribute__((always_inline)) void amx_scale(int fmt, const uint8_t *unit, const float *cb,
+        const float *sx, int64_t nb, int64_t b, int64_t t, int64_t rows, __m512 acc[16]) {
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)unit));
+    __m512 m = fmt == FMT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(unit + 32)))
+             : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));  /* Q4_0: d * (q - 8) */
+    UNROLL for (int i = 0; i < 16; i++) {
+        if (i < rows) {
+            acc[i] = _mm512_fmadd_ps(d, _mm512_load_ps(cb + i * 16), acc[i]);
+            if (fmt != FMT_Q8_0)
+                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[(t + i) * nb + b]), acc[i]);
+        }
+    }
+}
+
+/* Group g: its units' q converted once into bt (B tiles), then each input tile of up to 16
+   rows: per unit one TDPBF16PS and the scaling of its part, in unit order, the rows' sums in
+   registers. cb: two C tiles' room. */
+static void agroup_amx(int fmt, const uint16_t *xb, const float *sx, const uint8_t *pk, float *y,
+                       int64_t M, int64_t g, int64_t N, int64_t K, uint16_t *bt, float *cb) {
+    __m512i lut = _mm512_loadu_si512((const void *)BF16_NIBBLE);
+    int64_t nb = K / QK, ub = unit_bytes(fmt), xs = K * 2;
+    const uint8_t *units = pk + g * nb * ub;
+    if (M <= 16) {
+        /* Units converted two at a time into a ring of four B tiles, each pair multiplied
+           (two chains) and scaled in order one pair later, so the conversion of the next pair
+           overlaps the tiles' latency. */
+        __m512 acc[16];
+        UNROLL for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb + 2; b += 2) {
+            for (int64_t u = b; u < b + 2 && u < nb; u++) {
+                const uint8_t *unit = units + u * ub;
+                for (int64_t o = 0; o < ub; o += 64)
+                    _mm_prefetch((const char *)(unit + 4 * ub + o), _MM_HINT_T0);
+                UNROLL for (int p = 0; p < 16; p++)
+                    _mm512_store_si512((void *)(bt + (u & 3) * 512 + p * 32),
+                                       (__m512i)pair_q(fmt, unit + pairs_at(fmt), p, lut));
+            }
+            int64_t u = b - 2;
+            if (u < 0) continue;
+            int two = u + 1 < nb;
+            amx_part(0, xb + u * QK, xs, bt + (u & 3) * 512, cb);
+            if (two) amx_part(1, xb + (u + 1) * QK, xs, bt + ((u + 1) & 3) * 512, cb + 256);
+            amx_scale(fmt, units + u * ub, cb, sx, nb, u, 0, M, acc);
+            if (two) amx_scale(fmt, units + (u + 1) * ub, cb + 256, sx, nb, u + 1, 0, M, acc);
+        }
+        UNROLL for (int i = 0; i < 16; i++)
+            if (i < M) _mm512_storeu_ps(y + i * N + 16 * g, acc[i]);
+        return;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *unit = units + b * ub;
+        for (int64_t o = 0; o < ub; o += 64)
+            _mm_prefetch((const char *)(unit + 4 * ub + o), _MM_HINT_T0);
+        UNROLL for (int p = 0; p < 16; p++)
+            _mm512_store_si512((void *)(bt + b * 512 + p * 32), (__m512i)pair_q(fmt, unit + pairs_at(fmt), p, lut));
+    }
+    for (int64_t t = 0; t < M; t += 16) {
+        int64_t rows = M - t < 16 ? M - t : 16;
+        int set = rows < 16;
+        __m512 acc[16];
+        UNROLL for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            amx_part(set, xb + t * K + b * QK, xs, bt + b * 512, cb);
+            amx_scale(fmt, units + b * ub, cb, sx, nb, b, t, rows, acc);
+        }
+        UNROLL for (int i = 0; i < 16; i++)
+            if (i < rows) _mm512_storeu_ps(y + (t + i) * N + 16 * g, acc[i]);
+    }
+}
+
+/* As gguf_linear_il16, on AMX tiles (gguf_il16_amx_init first). Rows handed to
+   gguf_il16_prefetch_next are dropped (gguf_kernels.py hands none here). */
+int gguf_linear_il16_amx(int fmt, const float *x, const uint8_t *pk, float *y, int64_t M, int64_t N,
+                         int64_t K) {
+    next_side.n = 0;
+    if (!(fmt == FMT_Q4_1 || fmt == FMT_Q4_0 || fmt == FMT_Q8_0) || N % 16 || K % QK) return -1;
+    if (M == 0) return 0;
+    int64_t nb = K / QK;
+    uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * M * K);
+    float *sx = (float *)malloc(sizeof(float) * M * nb);
+    if (!xb || !sx) {
+        free(xb);
+        free(sx);
+        return -2;
+    }
+    int rc = 0;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * K; i += QK) {  /* as gguf_linear_il16 */
+            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+            _mm512_store_si512((void *)(xb + i), (__m512i)v);
+            __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256((__m512i)v));
+            __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64((__m512i)v, 1));
+            sx[i / QK] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
+                                                            _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
+        }
+        amx_configure(M);
+        uint16_t *bt = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * nb * 512);
+        float *cb = (float *)aligned_alloc(64, sizeof(float) * 512);
+        if (!bt || !cb) {
+            #pragma omp atomic write
+            rc = -2;
+        }
+        #pragma omp for schedule(guided)
+        for (int64_t g = 0; g < N / 16; g++)
+            if (bt && cb) agroup_amx(fmt, xb, sx, pk, y, M, g, N, K, bt, cb);
+        _tile_release();
+        free(bt);
+        free(cb);
+    }
+    free(sx);
+    free(xb);
+    return rc;
+}
+#endif

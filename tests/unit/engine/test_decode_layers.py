@@ -65,12 +65,14 @@ def test_the_interleaved_kernel_is_what_the_c_layers_call(lib, tmp_path):
         pytest.skip("no AVX512-BF16 here: the interleaved kernel is not built")
     runner = runner_for(tmp_path, "Q4_1", "auto")
     fn, _, w, _, _ = runner.model.layers[0].qkv.decode_kernel()
-    assert fn == ctypes.cast(il.gguf_linear_il16, ctypes.c_void_p).value
+    amx = gguf_kernels.interleaved_amx(il)
+    assert fn == ctypes.cast(il.gguf_linear_il16_amx if amx else il.gguf_linear_il16, ctypes.c_void_p).value
     assert w == runner.model.layers[0].qkv._interleaved.data_ptr()
-    # and its Q/K/V multiply prefetches the K/V rows the attention reads next
+    # and its Q/K/V multiply prefetches the K/V rows the attention reads next (VDPBF16PS: bound
+    # by its multiplies; the AMX kernel prefetches none)
     decode_step(runner, [], c_path=True)
-    assert runner.model._c_plan._model.prefetch_next == ctypes.cast(il.gguf_il16_prefetch_next,
-                                                                    ctypes.c_void_p).value
+    assert runner.model._c_plan._model.prefetch_next == (None if amx else ctypes.cast(
+        il.gguf_il16_prefetch_next, ctypes.c_void_p).value)
 
 
 def test_rows_handed_to_the_interleaved_kernel_change_nothing_it_computes(tmp_path):
@@ -88,8 +90,9 @@ def test_rows_handed_to_the_interleaved_kernel_change_nothing_it_computes(tmp_pa
 
 
 def test_the_k_v_prefetch_changes_no_bit_of_a_decode_step(lib, tmp_path):
-    if gguf_kernels.load_interleaved() is None:
-        pytest.skip("no AVX512-BF16 here: the interleaved kernel is not built")
+    il = gguf_kernels.load_interleaved()
+    if il is None or gguf_kernels.interleaved_amx(il):
+        pytest.skip("no VDPBF16PS interleaved kernel here (no AVX512-BF16, or AMX takes the decode rows)")
     with_prefetch, without = runner_for(tmp_path, "Q4_1", "auto"), runner_for(tmp_path, "Q4_1", "auto")
     without.model.prefetch_kv = False
     got, ref = decode_step(with_prefetch, [], c_path=True), decode_step(without, [], c_path=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine import gguf_kernels
+from services.engine import cpu_kernels, gguf_kernels
 from services.engine.gguf_kernels import FORMATS, ISAS, GGUFWeight
 from services.engine.loader import load_weights
 from services.engine.quant import (PREFILL_MIN_ROWS, DenseLinear, GGUFLinear, decode_in_bfloat16,
@@ -166,17 +166,56 @@ def test_interleaving_needs_rows_in_sixteens_and_its_formats(illib):
 
 def test_decode_rows_of_a_q4_1_file_take_the_interleaved_kernel(illib):
     """The default's decode rows: the file's exact weights (closer to float32 than the same
-    rows with each weight rounded to bfloat16); rows in no group of 16 keep the blocks."""
+    rows with each weight rounded to bfloat16), on AMX tiles where the CPU has them; rows in
+    no group of 16 keep the blocks."""
     lib = gguf_kernels.load()
     w = blocks("Q4_1", 64, 256, seed=4)
     fast = GGUFLinear(w, torch.float32, lib, decode_bf16=True)
     x = torch.randn(5, 256)
     exact = (x.double() @ w.dequantize().double().T).float()
     rounded = gguf_kernels.linear(lib, x, w, bf16=True)
-    assert torch.equal(fast(x), gguf_kernels.linear_interleaved(illib, x, gguf_kernels.pack_interleaved(illib, w), w))
+    packed = gguf_kernels.pack_interleaved(illib, w)
+    assert torch.equal(fast(x), gguf_kernels.linear_interleaved(illib, x, packed, w, gguf_kernels.interleaved_amx(illib)))
     assert (fast(x) - exact).abs().mean() < (rounded - exact).abs().mean()
     odd = GGUFLinear(blocks("Q4_1", 40, 256), torch.float32, lib, decode_bf16=True)
     assert torch.equal(odd(x), gguf_kernels.linear(lib, x, odd.weight, bf16=True))
+
+
+@pytest.fixture(scope="module")
+def amxlib(illib):
+    """The interleaved kernel's AMX build; skipped where this CPU (under the ISA cap) lacks AMX-BF16."""
+    if not gguf_kernels.AMX_CPU_FLAGS <= cpu_kernels.cpu_flags():
+        pytest.skip("this CPU lacks amx_bf16")
+    assert gguf_kernels.interleaved_amx(illib), "the AMX kernel failed to build or enable on an AMX CPU"
+    return illib
+
+
+@pytest.mark.parametrize("kind", gguf_kernels.INTERLEAVED_FORMATS)
+def test_amx_tiles_use_the_exact_weights_and_bfloat16_inputs(amxlib, kind):
+    """The AMX kernel computes what gguf_linear_il16 computes, in another order of each
+    block's 32 exact products."""
+    w = blocks(kind, 64, 512, seed=5)
+    packed = gguf_kernels.pack_interleaved(amxlib, w)
+    exact = w.dequantize().double()
+    x = torch.randn(40, 512)
+    for m in (0, 1, 2, 15, 16, 17, 31, 32, 33, 40):  # partial, one, two and several input tiles
+        y = gguf_kernels.linear_interleaved(amxlib, x[:m], packed, w, amx=True)
+        ref = (x[:m].to(torch.bfloat16).double() @ exact.T).float()
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * exact.abs().max().item() * 8)
+        torch.testing.assert_close(y, gguf_kernels.linear_interleaved(amxlib, x[:m], packed, w),
+                                   rtol=1e-5, atol=1e-5 * exact.abs().max().item() * 8)
+
+
+@pytest.mark.parametrize("kind", gguf_kernels.INTERLEAVED_FORMATS)
+def test_an_amx_rows_result_does_not_depend_on_the_batch(amxlib, kind):
+    w = blocks(kind, 48, 256, seed=6)
+    packed = gguf_kernels.pack_interleaved(amxlib, w)
+    x = torch.randn(37, 256)
+    full = gguf_kernels.linear_interleaved(amxlib, x, packed, w, amx=True)
+    for i in range(37):
+        assert torch.equal(gguf_kernels.linear_interleaved(amxlib, x[i:i + 1], packed, w, amx=True)[0], full[i])
+    for rows in (slice(3, 19), slice(0, 32), slice(5, 37), slice(30, 33)):
+        assert torch.equal(gguf_kernels.linear_interleaved(amxlib, x[rows], packed, w, amx=True), full[rows])
 
 
 def test_decode_dtype_follows_the_cpu_unless_chosen():
