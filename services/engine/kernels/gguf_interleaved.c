@@ -374,7 +374,8 @@ int gguf_linear_il16_amx(int fmt, const float *x, const uint8_t *pk, float *y, i
                                                             _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
         }
         amx_configure(M);
-        uint16_t *bt = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * nb * 512);
+        /* every unit's B tile, and at least the four of agroup_amx's ring */
+        uint16_t *bt = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (nb > 4 ? nb : 4) * 512);
         float *cb = (float *)aligned_alloc(64, sizeof(float) * 512);
         if (!bt || !cb) {
             #pragma omp atomic write

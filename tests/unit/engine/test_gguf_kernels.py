@@ -191,13 +191,14 @@ def amxlib(illib):
 
 
 @pytest.mark.parametrize("kind", gguf_kernels.INTERLEAVED_FORMATS)
-def test_amx_tiles_use_the_exact_weights_and_bfloat16_inputs(amxlib, kind):
+@pytest.mark.parametrize("k", [32, 64, 96, 512])  # 1, 2, 3 and 16 blocks a row (the ring of four)
+def test_amx_tiles_use_the_exact_weights_and_bfloat16_inputs(amxlib, kind, k):
     """The AMX kernel computes what gguf_linear_il16 computes, in another order of each
     block's 32 exact products."""
-    w = blocks(kind, 64, 512, seed=5)
+    w = blocks(kind, 64, k, seed=5)
     packed = gguf_kernels.pack_interleaved(amxlib, w)
     exact = w.dequantize().double()
-    x = torch.randn(40, 512)
+    x = torch.randn(40, k)
     for m in (0, 1, 2, 15, 16, 17, 31, 32, 33, 40):  # partial, one, two and several input tiles
         y = gguf_kernels.linear_interleaved(amxlib, x[:m], packed, w, amx=True)
         ref = (x[:m].to(torch.bfloat16).double() @ exact.T).float()
