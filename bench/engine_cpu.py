@@ -21,7 +21,7 @@ else llama-cpp-python if importable (see shared/BENCH.md).
 --isa avx2 measures as on a CPU without AVX-512 (bench/machine.py run_capped; give
 --llama-bench the one `bench/build_llama_server.sh DIR avx2` builds).
 Writes bench/results/engine_cpu.json and bench/results/engine_cpu.png (engine_cpu_<isa>.*
-under --isa).
+under --isa; --out STEM writes STEM.json and STEM.png instead).
 """
 from __future__ import annotations
 
@@ -220,13 +220,15 @@ def main() -> None:
                     help="path of llama.cpp's llama-bench (built beside bench/build_llama_server.sh's"
                          " server): llama.cpp in-process as a peer")
     ap.add_argument("--configs", default="default,blocks-float32,float32,int8,bfloat16")
+    ap.add_argument("--out", default=None,
+                    help="path stem of the .json and .png (default bench/results/engine_cpu[_ISA])")
     ap.add_argument("--llama-cpp-child", action="store_true", help=argparse.SUPPRESS)
     add_isa_arg(ap)
     args = ap.parse_args()
     if args.llama_cpp_child:
         return llama_cpp_child()
     run_capped(args.isa)
-    stem = "engine_cpu" + ("" if args.isa == "auto" else f"_{args.isa}")
+    out = Path(args.out) if args.out else RESULTS / ("engine_cpu" + ("" if args.isa == "auto" else f"_{args.isa}"))
     torch.set_num_threads(args.threads)
     path = default_model_path()
     tok = load_model_tokenizer(path)
@@ -323,9 +325,9 @@ def main() -> None:
                        "measured in this run (llama-cpp-python, in-process, argmax on its logits)")
                       if llama_decode else "not measured; ratios use BENCH.md's 94 tok/s"),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    plot(medians, RESULTS / f"{stem}.png", args.threads)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_name(out.name + ".json").write_text(json.dumps(result, indent=2))
+    plot(medians, out.with_name(out.name + ".png"), args.threads)
     print(json.dumps({"medians": medians, "ratios": ratios, "quality": quality}, indent=2))
 
 
