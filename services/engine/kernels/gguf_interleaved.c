@@ -183,6 +183,17 @@ GROUP_FN(Q8_0)
 GROUP_FN(Q4_0)
 GROUP_FN(Q4_1)
 
+/* One block of 32 inputs to bfloat16 (to nearest even) at xb, returning the sum of those
+   bfloat16 values (the block sum m multiplies). */
+static inline float input_block(const float *x, uint16_t *xb) {
+    __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+    _mm512_store_si512((void *)xb, (__m512i)v);
+    __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256((__m512i)v));
+    __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64((__m512i)v, 1));
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
+                                              _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
+}
+
 /* x: float32 [M, K]; pk: gguf_pack_il16's layout of N rows; y: float32 [M, N]. Returns 0, or
    -1 for another format, N not a multiple of 16 or K of 32. Prefetches the rows that
    gguf_il16_prefetch_next gave it, if any (then forgets them). */
@@ -202,14 +213,7 @@ int gguf_linear_il16(int fmt, const float *x, const uint8_t *pk, float *y, int64
         /* the input rows to bfloat16 (to nearest even) with each block's sum, shared out too:
            one thread alone took ~4 us of a 16-row call's ~40 */
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < M * K; i += QK) {
-            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
-            _mm512_store_si512((void *)(xb + i), (__m512i)v);
-            __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256((__m512i)v));
-            __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64((__m512i)v, 1));
-            xs[i / QK] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
-                                                            _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
-        }
+        for (int64_t i = 0; i < M * K; i += QK) xs[i / QK] = input_block(x + i, xb + i);
         #pragma omp for schedule(guided)
         for (int64_t g = 0; g < N / 16; g++) fn(xb, xs, pk, y, M, g, N, K, &sd);
     }
@@ -365,14 +369,7 @@ int gguf_linear_il16_amx(int fmt, const float *x, const uint8_t *pk, float *y, i
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < M * K; i += QK) {  /* as gguf_linear_il16 */
-            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
-            _mm512_store_si512((void *)(xb + i), (__m512i)v);
-            __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256((__m512i)v));
-            __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64((__m512i)v, 1));
-            sx[i / QK] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
-                                                            _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
-        }
+        for (int64_t i = 0; i < M * K; i += QK) sx[i / QK] = input_block(x + i, xb + i);
         amx_configure(M);
         /* every unit's B tile, and at least the four of agroup_amx's ring */
         uint16_t *bt = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (nb > 4 ? nb : 4) * 512);
