@@ -131,6 +131,12 @@ def interleaved_amx(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and bool(_interleaved_amx) and _interleaved_amx[0]
 
 
+def interleaved_kernel(lib: ctypes.CDLL, amx: bool):
+    """The entry point decode rows take in `lib`: gguf_linear_il16_amx with `amx`, else
+    gguf_linear_il16 (one signature)."""
+    return lib.gguf_linear_il16_amx if amx else lib.gguf_linear_il16
+
+
 @dataclass(frozen=True)
 class GGUFWeight:
     """One [N, K] weight matrix in its file blocks: `blocks` is uint8 [N, K / block weights *
@@ -223,7 +229,7 @@ def linear_interleaved(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, 
     x = x.contiguous()
     n, k = w.shape
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
-    fn = lib.gguf_linear_il16_amx if amx else lib.gguf_linear_il16
+    fn = interleaved_kernel(lib, amx)
     if fn(FORMATS[w.kind][0], x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], n, k) != 0:
         raise ValueError(f"gguf_linear_il16{'_amx' if amx else ''} rejected a {w.kind} {n}x{k} matrix")
     return y

@@ -159,8 +159,7 @@ class GGUFLinear:
         n, k = self.weight.shape
         code = gguf_kernels.FORMATS[self.weight.kind][0]
         if self._interleaved is not None:
-            fn = self._il.gguf_linear_il16_amx if self._amx else self._il.gguf_linear_il16
-            w = self._interleaved
+            fn, w = gguf_kernels.interleaved_kernel(self._il, self._amx), self._interleaved
         else:
             fn = self._lib.gguf_linear_bf16 if self._decode_bf16 else self._lib.gguf_linear
             w = self.weight.blocks
