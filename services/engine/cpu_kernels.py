@@ -92,12 +92,18 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
+        for name in ("prompt_attention_avx512", "prompt_attention_avx512_f16"):
+            fn = getattr(lib, name)
+            fn.restype = None
+            fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5
+                           + [ctypes.c_float, ctypes.c_int64])
         for name in ("silu_mul", "silu_mul_avx2", "silu_mul_avx512"):  # the first picks by the CPU
             getattr(lib, name).restype = None
             getattr(lib, name).argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
         lib.fused_allow_avx512bf16.restype = None
         lib.fused_allow_avx512bf16.argtypes = [ctypes.c_int]
         lib.fused_allow_avx512bf16(int("avx512_bf16" in cpu_flags()))
+        lib.avx512_allowed = "avx512f" in cpu_flags()  # prompt_attention's kernel (read per layer)
         lib.argmax_rows.restype = None
         lib.argmax_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.add_rmsnorm.restype = None
@@ -202,6 +208,39 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, cache_k: torch.Ten
     fn = lib.paged_decode_attention_f16 if cache_k.dtype == torch.float16 else lib.paged_decode_attention
     fn(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), tables.data_ptr(),
        ctx.data_ptr(), out.data_ptr(), b, h, hkv, d, bs, tables.shape[1], scale, q.stride(0))
+    return out
+
+
+PROMPT_ATTENTION_HEAD_DIMS = (32, 64, 128)
+PROMPT_ATTENTION_MAX_GROUP = 48  # query heads per KV head (the kernel's 48 query vectors a task)
+
+
+def prompt_attention_fits(lib: ctypes.CDLL | None, heads: int, kv_heads: int, head_dim: int,
+                          cache_dtype: torch.dtype) -> bool:
+    """Whether `prompt_attention` serves this model and cache: the kernels loaded where AVX512F
+    was among the CPU's flags (TOKENSERVE_CPU_ISA allowing), a head_dim of 32, 64 or 128, at most 48
+    query heads per KV head, a float32 or float16 cache."""
+    return (lib is not None and getattr(lib, "avx512_allowed", False) and head_dim in PROMPT_ATTENTION_HEAD_DIMS
+            and heads % kv_heads == 0 and heads // kv_heads <= PROMPT_ATTENTION_MAX_GROUP
+            and cache_dtype in (torch.float32, torch.float16))
+
+
+def prompt_attention(lib: ctypes.CDLL, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                     tables: torch.Tensor, ctx: torch.Tensor, groups: torch.Tensor, scale: float,
+                     out: torch.Tensor) -> torch.Tensor:
+    """What paged_decode_attention gives prompt rows, a chunk's rows at a time (fused_avx2.c
+    prompt_attention_avx512; where prompt_attention_fits). q, cache_k/v, tables, ctx, out as
+    paged_decode_attention takes them; groups: int64 [G, 2] (first row, rows): runs of one
+    chunk's consecutive rows, row i's context the first row's + i, their tables alike."""
+    b, h, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    if not out.is_contiguous() or out.shape != q.shape:
+        raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
+    _, bs, hkv, _ = cache_k.shape
+    fn = lib.prompt_attention_avx512_f16 if cache_k.dtype == torch.float16 else lib.prompt_attention_avx512
+    fn(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), tables.data_ptr(), ctx.data_ptr(),
+       groups.data_ptr(), groups.shape[0], out.data_ptr(), h, hkv, d, bs, tables.shape[1], scale, q.stride(0))
     return out
 
 

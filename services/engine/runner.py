@@ -17,7 +17,9 @@ from typing import Callable
 
 import torch
 
-from services.engine.attention import KVCache, build_metadata, kernel_fits
+from services.engine import cpu_kernels
+from services.engine.attention import (BLOCKED_PROMPT_MAX_CTX, PAGED_PROMPT_MAX_CTX, KVCache, build_metadata,
+                                       kernel_fits)
 from services.engine.config import resolve_dtype
 from services.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from services.engine.device import to_device
@@ -130,8 +132,10 @@ class ModelRunner:
         # CUDA graphs: one more block, beyond those the scheduler may hand out, for padded rows
         self.kv = KVCache(c.num_layers, self.num_blocks + (1 if graphs else 0), block_size, c.num_kv_heads,
                           c.head_dim, kv_dtype, device)
-        # short prompt chunks attend through the CPU decode kernel (attention.paged_prompts)
+        # short prompt chunks attend through the CPU kernels (attention.paged_prompts)
         self._paged_prompts = kernel_fits(self.model.cpu_kernels, c.head_dim, kv_dtype)
+        self._paged_max_ctx = (BLOCKED_PROMPT_MAX_CTX if cpu_kernels.prompt_attention_fits(
+            self.model.cpu_kernels, c.num_heads, c.num_kv_heads, c.head_dim, kv_dtype) else PAGED_PROMPT_MAX_CTX)
         self.max_context = min(c.max_position, self.num_blocks * block_size)
         self.sampler = Sampler(device, seed, kernels=kernels)
         self.graphs: DecodeGraphs | None = None
@@ -216,7 +220,7 @@ class ModelRunner:
             if len(rows) < len(chunks):  # a 1-token chunk that samples nothing
                 logits = logits[to_device(rows, torch.long, dev)]
         else:
-            meta = build_metadata(spans, self.block_size, dev, self._paged_prompts)
+            meta = build_metadata(spans, self.block_size, dev, self._paged_prompts, self._paged_max_ctx)
             logits = self.model.forward(to_device(ids, torch.long, dev),
                                         to_device(positions, torch.long, dev),
                                         meta, self.kv, to_device(rows, torch.long, dev), hook)

@@ -415,9 +415,10 @@ void silu_mul_avx2(const void *gu, void *out, int64_t M, int64_t I, int bf16) {
 }
 
 #define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
 /* exp256 on 16 lanes, operation for operation (the same bits per lane). */
-TARGET_AVX512BF16 static inline __m512 exp512(__m512 x) {
+TARGET_AVX512 static inline __m512 exp512(__m512 x) {
     const __m512 lim = _mm512_set1_ps(88.3762626647949f);
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
     __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
@@ -670,3 +671,155 @@ int decode_layers(const struct dl_model *m, int64_t first, int64_t last, float *
     free(qkv); free(attn); free(delta); free(gu); free(act); free(rows);
     return rc;
 }
+
+/* Prompt rows' attention on AVX-512 (cpu_kernels.prompt_attention; the CPU has AVX512F and no
+   cap forbids it): what paged_decode_attention gives each prompt row (its query against the
+   cache up to its own position, the row's K/V written first), computed for blocks of a
+   chunk's rows at once instead of row by row. groups: [NG, 2] (first row, rows), each a run
+   of one chunk's consecutive rows (row i's context is the first's + i), their block tables
+   alike. A task is one KV head of up to PA_J / G consecutive rows of a group: its PA_J query
+   vectors (rows x the head's G query heads) transposed to qt [D][PA_J], the keys and values
+   up to the last row's context widened to float32 once, then
+     scores  s[l][j] = scale * q_j . k_l: four keys x 48 queries a pass over d (12 FMA chains,
+             a key's value broadcast: no horizontal sums), -inf past row j's context;
+     softmax along l for all 48 queries at once (max, exp, sum as 16-lane vectors);
+     values  o_j = sum_l p[l][j] v_l / sum_j: QC queries x D lanes of accumulators.
+   Each row's result is its own arithmetic in a fixed order (d, then l), whichever block or
+   batch it is computed in: keys past a row's context weigh exactly 0. 2-core Xeon (AMX
+   machine), 16 prompts of 64 tokens, float16 cache, 30 layers: 49 -> 27 ms (row by row -> this). */
+#define PA_J 48
+
+TARGET_AVX512 static inline __m512 pa_load16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+TARGET_AVX512 static inline __m512 pa_load16f(const float *p) { return _mm512_loadu_ps(p); }
+
+/* o_j for queries j0 .. j0 + QC - 1 (DV vectors of 16 lanes each) over keys [0, L) */
+#define PA_VALUES(DV, QC)                                                                               \
+TARGET_AVX512 static inline __attribute__((always_inline)) void pa_values_##DV(                         \
+        const float *vf, const float *p, int64_t L, int64_t j0, int64_t nq, const float *inv,           \
+        float *const *o) {                                                                              \
+    __m512 acc[QC][DV];                                                                                 \
+    for (int j = 0; j < QC; j++)                                                                        \
+        for (int v = 0; v < DV; v++) acc[j][v] = _mm512_setzero_ps();                                   \
+    for (int64_t l = 0; l < L; l++) {                                                                   \
+        __m512 vv[DV];                                                                                  \
+        for (int v = 0; v < DV; v++) vv[v] = _mm512_loadu_ps(vf + l * DV * 16 + 16 * v);                \
+        for (int j = 0; j < QC; j++) {                                                                  \
+            __m512 w = _mm512_set1_ps(p[l * PA_J + j0 + j]);                                            \
+            for (int v = 0; v < DV; v++) acc[j][v] = _mm512_fmadd_ps(w, vv[v], acc[j][v]);              \
+        }                                                                                               \
+    }                                                                                                   \
+    for (int j = 0; j < QC && j < nq; j++)                                                              \
+        for (int v = 0; v < DV; v++)                                                                    \
+            _mm512_storeu_ps(o[j] + 16 * v, _mm512_mul_ps(acc[j][v], _mm512_set1_ps(inv[j0 + j])));     \
+}
+PA_VALUES(2, 12)
+PA_VALUES(4, 6)
+PA_VALUES(8, 3)
+
+#define PROMPT_ATTENTION(NAME, T, LOAD)                                                                 \
+TARGET_AVX512 void NAME(const float *q, const T *kc, const T *vc, const int64_t *tables,                \
+                        const int64_t *ctx, const int64_t *groups, int64_t NG, float *out, int64_t H,   \
+                        int64_t Hkv, int64_t D, int64_t bs, int64_t max_nb, float scale,                \
+                        int64_t q_stride) {                                                             \
+    int64_t G = H / Hkv, RB = PA_J / G, row = Hkv * D, DV = D / 16, nt = 0;                             \
+    for (int64_t g = 0; g < NG; g++) nt += (groups[2 * g + 1] + RB - 1) / RB;                            \
+    int64_t *tasks = malloc(sizeof(int64_t) * 2 * (nt ? nt : 1));                                       \
+    if (!tasks) return;                                                                                 \
+    for (int64_t g = 0, t = 0; g < NG; g++)                                                             \
+        for (int64_t r = 0; r < groups[2 * g + 1]; r += RB, t++) {                                      \
+            tasks[2 * t] = groups[2 * g] + r;                                                           \
+            tasks[2 * t + 1] = groups[2 * g + 1] - r < RB ? groups[2 * g + 1] - r : RB;                 \
+        }                                                                                               \
+    _Pragma("omp parallel for schedule(dynamic)")                                                       \
+    for (int64_t task = 0; task < nt * Hkv; task++) {                                                   \
+        int64_t r0 = tasks[2 * (task / Hkv)], nr = tasks[2 * (task / Hkv) + 1], hk = task % Hkv;        \
+        int64_t c0 = ctx[r0], L = ctx[r0 + nr - 1], L4 = (L + 3) & ~(int64_t)3, J = nr * G;             \
+        const int64_t *table = tables + (r0 + nr - 1) * max_nb;                                         \
+        float *qt = scratch(sizeof(float) * (D * PA_J + 2 * L4 * D + L4 * PA_J + PA_J));                \
+        float *kf = qt + D * PA_J, *vf = kf + L4 * D, *s = vf + L4 * D, *inv = s + L4 * PA_J;           \
+        {   /* qt[d][j] = q_j[d]: lanes gathered from the query rows (past J: zeros) */                \
+            __m512i at[3];                                                                              \
+            __mmask16 in[3];                                                                            \
+            for (int v = 0; v < 3; v++) {                                                               \
+                int32_t a[16];                                                                          \
+                for (int i = 0, j = 16 * v; i < 16; i++, j++)                                           \
+                    a[i] = j < J ? (int32_t)((r0 + j / G) * q_stride + (hk * G + j % G) * D) : 0;        \
+                at[v] = _mm512_loadu_si512((const void *)a);                                            \
+                in[v] = 16 * v >= J ? 0 : J - 16 * v >= 16 ? 0xFFFF : (__mmask16)((1u << (J - 16 * v)) - 1); \
+            }                                                                                           \
+            for (int64_t d = 0; d < D; d++)                                                             \
+                for (int v = 0; v < 3; v++)                                                             \
+                    _mm512_storeu_ps(qt + d * PA_J + 16 * v, _mm512_mask_i32gather_ps(                  \
+                        _mm512_setzero_ps(), in[v], at[v], q + d, 4));                                  \
+        }                                                                                               \
+        for (int64_t l = 0, blk = 0; l < L; blk++)                                                      \
+            for (int64_t i = 0; i < bs && l < L; i++, l++) {                                            \
+                int64_t off = (table[blk] * bs + i) * row + hk * D;                                     \
+                for (int64_t v = 0; v < DV; v++) {                                                      \
+                    _mm512_storeu_ps(kf + l * D + 16 * v, LOAD(kc + off + 16 * v));                     \
+                    _mm512_storeu_ps(vf + l * D + 16 * v, LOAD(vc + off + 16 * v));                     \
+                }                                                                                       \
+            }                                                                                           \
+        for (int64_t l = L; l < L4; l++)                                                                \
+            for (int64_t d = 0; d < D; d++) kf[l * D + d] = 0.0f;                                       \
+        /* lane j's row (past J: a row no key is masked for) */                                        \
+        __m512i rowj[3];                                                                                \
+        for (int v = 0; v < 3; v++) {                                                                   \
+            int32_t r[16];                                                                              \
+            for (int i = 0; i < 16; i++) r[i] = 16 * v + i < J ? (int32_t)((16 * v + i) / G) : 1 << 30;  \
+            rowj[v] = _mm512_loadu_si512((const void *)r);                                              \
+        }                                                                                               \
+        const __m512 ninf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);                      \
+        for (int64_t l0 = 0; l0 < L; l0 += 4) {                                                         \
+            __m512 a[4][3];                                                                             \
+            for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = a[i][2] = _mm512_setzero_ps();              \
+            const float *k0 = kf + l0 * D;                                                              \
+            for (int64_t d = 0; d < D; d++) {                                                           \
+                __m512 q0 = _mm512_loadu_ps(qt + d * PA_J), q1 = _mm512_loadu_ps(qt + d * PA_J + 16);   \
+                __m512 q2 = _mm512_loadu_ps(qt + d * PA_J + 32);                                        \
+                for (int i = 0; i < 4; i++) {                                                           \
+                    __m512 kb = _mm512_set1_ps(k0[i * D + d]);                                          \
+                    a[i][0] = _mm512_fmadd_ps(q0, kb, a[i][0]);                                         \
+                    a[i][1] = _mm512_fmadd_ps(q1, kb, a[i][1]);                                         \
+                    a[i][2] = _mm512_fmadd_ps(q2, kb, a[i][2]);                                         \
+                }                                                                                       \
+            }                                                                                           \
+            for (int i = 0; i < 4 && l0 + i < L; i++) {                                                 \
+                __m512i past = _mm512_set1_epi32((int32_t)(l0 + i - c0));  /* key l: row r sees it    \
+                                                                              when l - c0 < r */       \
+                for (int v = 0; v < 3; v++) {                                                           \
+                    __mmask16 seen = _mm512_cmplt_epi32_mask(past, rowj[v]);                            \
+                    _mm512_storeu_ps(s + (l0 + i) * PA_J + 16 * v,                                      \
+                                     _mm512_mask_blend_ps(seen, ninf, _mm512_mul_ps(a[i][v], sc)));     \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        for (int v = 0; v < 3; v++) {                                                                   \
+            __m512 m = ninf, sum = _mm512_setzero_ps();                                                 \
+            for (int64_t l = 0; l < L; l++) m = _mm512_max_ps(m, _mm512_loadu_ps(s + l * PA_J + 16 * v)); \
+            for (int64_t l = 0; l < L; l++) {                                                           \
+                __m512 x = _mm512_loadu_ps(s + l * PA_J + 16 * v);                                      \
+                __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ),                \
+                                               exp512(_mm512_sub_ps(x, m)));                            \
+                _mm512_storeu_ps(s + l * PA_J + 16 * v, e);                                             \
+                sum = _mm512_add_ps(sum, e);                                                            \
+            }                                                                                           \
+            _mm512_storeu_ps(inv + 16 * v, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));                   \
+        }                                                                                               \
+        int64_t QC = 24 / DV;                                                                           \
+        for (int64_t j0 = 0; j0 < J; j0 += QC) {                                                        \
+            float *o[12];                                                                               \
+            int64_t nq = J - j0 < QC ? J - j0 : QC, last = c0 + (j0 + nq - 1) / G;                      \
+            for (int64_t j = 0; j < nq; j++)                                                            \
+                o[j] = out + ((r0 + (j0 + j) / G) * H + hk * G + (j0 + j) % G) * D;                     \
+            if (DV == 4) pa_values_4(vf, s, last, j0, nq, inv, o);                                      \
+            else if (DV == 8) pa_values_8(vf, s, last, j0, nq, inv, o);                                 \
+            else pa_values_2(vf, s, last, j0, nq, inv, o);                                              \
+        }                                                                                               \
+    }                                                                                                   \
+    free(tasks);                                                                                        \
+}
+PROMPT_ATTENTION(prompt_attention_avx512, float, pa_load16f)
+PROMPT_ATTENTION(prompt_attention_avx512_f16, uint16_t, pa_load16)

@@ -110,3 +110,120 @@ def test_kernel_reads_queries_in_place_and_writes_into_out(lib, cache_dtype):
                                              0.125, out=staging[1:5])
     assert torch.equal(got, ref) and torch.equal(staging[1:5], ref)
     assert (staging[0] == 7).all() and (staging[5] == 7).all()
+
+
+# -- prompt rows a block at a time (cpu_kernels.prompt_attention, AVX-512) -------------------
+@pytest.fixture
+def avx512lib(lib):
+    if not lib.avx512_allowed:
+        pytest.skip("the CPU (or TOKENSERVE_CPU_ISA) has no AVX512F: prompt rows go row by row")
+    return lib
+
+
+def _prompt_step(g, spans, bs, nblk, hkv, group, d, cache_dtype):
+    """The cache holding each chunk's cached context, and a step's q/k/v for the chunks."""
+    cache_k = torch.zeros(nblk, bs, hkv, d)
+    cache_v = torch.zeros(nblk, bs, hkv, d)
+    for start, _, table in spans:
+        for p in range(start):
+            cache_k[table[p // bs], p % bs] = torch.randn(hkv, d, generator=g)
+            cache_v[table[p // bs], p % bs] = torch.randn(hkv, d, generator=g)
+    t = sum(n for _, n, _ in spans)
+    q = torch.randn(t, hkv * group, d, generator=g)
+    k = torch.randn(t, hkv, d, generator=g)
+    v = torch.randn(t, hkv, d, generator=g)
+    return cache_k.to(cache_dtype), cache_v.to(cache_dtype), q, k, v
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hkv, group, d", [(3, 3, 64), (1, 8, 128), (4, 1, 32), (2, 48, 64), (1, 5, 64)])
+def test_prompt_rows_a_block_at_a_time_get_the_attention_torch_gives_them(avx512lib, cache_dtype, hkv, group, d):
+    """Fresh prompts of 1 to 70 tokens, a continuation of a cached context, a chunk of one
+    token: each prompt row gets causal attention over the cache's K/V up to its position."""
+    from services.engine import cpu_kernels
+    from services.engine.attention import attend, write_kv
+
+    g = torch.Generator().manual_seed(5)
+    bs, nblk = 16, 64
+    spans = [(0, 70, [3, 4, 5, 6, 7]), (0, 1, [8]), (37, 20, [9, 10, 11, 12]), (0, 17, [13, 14]),
+             (5, 1, [15])]
+    cache_k, cache_v, q, k, v = _prompt_step(g, spans, bs, nblk, hkv, group, d, cache_dtype)
+    meta = build_metadata(spans, bs, "cpu", paged_prompts=True)
+    write_kv(cache_k, cache_v, k, v, meta.slots)
+    assert all(s.paged for s in meta.prefills) and cpu_kernels.prompt_attention_fits(
+        avx512lib, hkv * group, hkv, d, cache_dtype)
+    got = attend(q, k, v, cache_k, cache_v, meta, d ** -0.5, avx512lib)
+    # torch, on the same cached (possibly float16) K/V
+    want = torch.empty_like(got).view(q.shape)
+    row = 0
+    for start, n, table in spans:
+        ctx = start + n
+        ks = torch.stack([cache_k[table[p // bs], p % bs] for p in range(ctx)]).float()
+        vs = torch.stack([cache_v[table[p // bs], p % bs] for p in range(ctx)]).float()
+        mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[row:row + n].transpose(0, 1), ks.transpose(0, 1).repeat_interleave(group, 0),
+            vs.transpose(0, 1).repeat_interleave(group, 0), attn_mask=mask, scale=d ** -0.5)
+        want[row:row + n] = o.transpose(0, 1)
+        row += n
+    torch.testing.assert_close(got, want.view(got.shape), atol=2e-5, rtol=1e-4)
+
+
+def test_a_prompt_rows_attention_does_not_depend_on_how_its_chunk_is_cut_or_batched(avx512lib):
+    """The same prompt rows, alone, in one chunk, cut into chunks of other sizes or beside
+    other prompts: bit for bit the same results (the rows of a block never mix)."""
+    from services.engine import cpu_kernels
+    from services.engine.attention import write_kv
+
+    g = torch.Generator().manual_seed(8)
+    bs, hkv, group, d, n = 16, 3, 3, 64, 53
+    table = [2, 7, 4, 9]
+    cache_k = torch.zeros(16, bs, hkv, d, dtype=torch.float16)
+    cache_v = torch.zeros(16, bs, hkv, d, dtype=torch.float16)
+    q = torch.randn(n, hkv * group, d, generator=g)
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+    write_kv(cache_k, cache_v, torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g), slots)
+
+    def run(cuts):
+        """the rows [a, b) of each cut as one chunk; every chunk in one call"""
+        tables = torch.tensor([table] * n)
+        ctx = torch.arange(1, n + 1)
+        chunks = torch.tensor([(a, b - a) for a, b in cuts])
+        out = torch.empty(n, hkv * group, d)
+        return cpu_kernels.prompt_attention(avx512lib, q, cache_k, cache_v, tables, ctx, chunks, 0.125, out)
+
+    whole = run([(0, n)])
+    for cuts in ([(0, 1), (1, n)], [(0, 20), (20, 21), (21, 53)], [(i, i + 1) for i in range(n)],
+                 [(0, 17), (17, 40), (40, 53)]):
+        assert torch.equal(run(cuts), whole), cuts
+    # one row alone (its own call)
+    for r in (0, 16, 52):
+        out = torch.empty(1, hkv * group, d)
+        one = cpu_kernels.prompt_attention(avx512lib, q[r:r + 1], cache_k, cache_v, torch.tensor([table]),
+                                           torch.tensor([r + 1]), torch.tensor([(0, 1)]), 0.125, out)
+        assert torch.equal(one[0], whole[r])
+
+
+def test_without_avx512_prompt_rows_go_row_by_row_through_the_decode_kernel(lib, monkeypatch):
+    """Where prompt_attention does not serve (an AVX2-only CPU, or TOKENSERVE_CPU_ISA=avx2 at
+    load), attend takes the decode kernel for the same rows, with the same results."""
+    from services.engine import cpu_kernels, isa
+    from services.engine.attention import attend, write_kv
+
+    g = torch.Generator().manual_seed(4)
+    bs, hkv, group, d = 16, 3, 3, 64
+    spans = [(0, 33, [1, 2, 3]), (10, 6, [4])]
+    cache_k, cache_v, q, k, v = _prompt_step(g, spans, bs, 8, hkv, group, d, torch.float16)
+    meta = build_metadata(spans, bs, "cpu", paged_prompts=True)
+    write_kv(cache_k, cache_v, k, v, meta.slots)
+    calls = []
+    real = cpu_kernels.paged_decode_attention
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(lib, "avx512_allowed", False)
+    rowwise = attend(q, k, v, cache_k, cache_v, meta, 0.125, lib)
+    assert calls == [1]
+    if "avx512f" in isa.hardware_flags():  # the CPU can run both: they agree
+        monkeypatch.setattr(lib, "avx512_allowed", True)
+        blocked = attend(q, k, v, cache_k, cache_v, meta, 0.125, lib)
+        assert calls == [1]
+        torch.testing.assert_close(blocked, rowwise, atol=2e-6, rtol=1e-5)
