@@ -350,6 +350,19 @@ static void agroup_amx(int fmt, const uint16_t *xb, const float *sx, const uint8
     }
 }
 
+/* A thread's B and C tile room, kept between calls (64-byte aligned; grown when a longer
+   row needs more): an allocation a call cost ~1 us of its ~10 us fixed cost. */
+static __thread void *amx_buf;
+static __thread size_t amx_buf_bytes;
+static void *amx_scratch(size_t bytes) {
+    if (bytes > amx_buf_bytes) {
+        free(amx_buf);
+        amx_buf = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        amx_buf_bytes = amx_buf ? bytes : 0;
+    }
+    return amx_buf;
+}
+
 /* As gguf_linear_il16, on AMX tiles (gguf_il16_amx_init first). Rows handed to
    gguf_il16_prefetch_next are dropped (gguf_kernels.py hands none here). */
 int gguf_linear_il16_amx(int fmt, const float *x, const uint8_t *pk, float *y, int64_t M, int64_t N,
@@ -371,10 +384,10 @@ int gguf_linear_il16_amx(int fmt, const float *x, const uint8_t *pk, float *y, i
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < M * K; i += QK) sx[i / QK] = input_block(x + i, xb + i);
         amx_configure(M);
-        /* every unit's B tile, and at least the four of agroup_amx's ring */
-        uint16_t *bt = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (nb > 4 ? nb : 4) * 512);
-        float *cb = (float *)aligned_alloc(64, sizeof(float) * 512);
-        if (!bt || !cb) {
+        /* every unit's B tile, and at least the four of agroup_amx's ring; two C tiles */
+        uint16_t *bt = amx_scratch(sizeof(uint16_t) * (nb > 4 ? nb : 4) * 512 + sizeof(float) * 512);
+        float *cb = bt ? (float *)(bt + (nb > 4 ? nb : 4) * 512) : 0;
+        if (!bt) {
             #pragma omp atomic write
             rc = -2;
         }
@@ -382,8 +395,6 @@ int gguf_linear_il16_amx(int fmt, const float *x, const uint8_t *pk, float *y, i
         for (int64_t g = 0; g < N / 16; g++)
             if (bt && cb) agroup_amx(fmt, xb, sx, pk, y, M, g, N, K, bt, cb);
         _tile_release();
-        free(bt);
-        free(cb);
     }
     free(sx);
     free(xb);
