@@ -219,6 +219,27 @@ def test_an_amx_rows_result_does_not_depend_on_the_batch(amxlib, kind):
         assert torch.equal(gguf_kernels.linear_interleaved(amxlib, x[rows], packed, w, amx=True), full[rows])
 
 
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 64), (64, 576), (96, 1536)])
+def test_amx_bfloat16_gemm_sums_bfloat16_products_in_float32_whatever_the_batch(amxlib, n, k):
+    """Prompt rows' multiply on AMX tiles (bf16_gemm_amx): x and w as bfloat16, exact products,
+    float32 sums; any number of rows (partial tiles, one, several blocks of rows), an odd
+    number of 16-column tiles; bfloat16 out is float32 out rounded; each row's result the same
+    bits alone or in any batch."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(1100, k, generator=g).to(torch.bfloat16)
+    packed = gguf_kernels.pack_bf16_tiles(amxlib, w)
+    full = gguf_kernels.gemm_bf16_amx(amxlib, x, packed, n)
+    exact = x.double() @ w.double().T
+    torch.testing.assert_close(full.double(), exact, rtol=1e-5, atol=1e-4)
+    assert torch.equal(gguf_kernels.gemm_bf16_amx(amxlib, x, packed, n, torch.bfloat16), full.to(torch.bfloat16))
+    for rows in (slice(0, 1), slice(7, 8), slice(0, 15), slice(3, 20), slice(0, 32), slice(5, 38),
+                 slice(100, 1100), slice(1099, 1100)):
+        assert torch.equal(gguf_kernels.gemm_bf16_amx(amxlib, x[rows], packed, n), full[rows]), rows
+    assert gguf_kernels.pack_bf16_tiles(amxlib, w[:, :16]) is None  # K not a multiple of 32
+    assert gguf_kernels.gemm_bf16_amx(amxlib, x[:0], packed, n).shape == (0, n)
+
+
 def test_decode_dtype_follows_the_cpu_unless_chosen():
     here = gguf_kernels.has_bfloat16(gguf_kernels.load())
     assert decode_in_bfloat16("auto", "cpu") == here
@@ -298,9 +319,15 @@ def test_prompt_rows_use_the_bfloat16_copy_and_decode_rows_the_blocks():
     fast, plain = GGUFLinear(w, torch.float32, lib, prefill_bf16=True), GGUFLinear(w, torch.float32, lib)
     x = torch.randn(PREFILL_MIN_ROWS + 5, 96, generator=torch.Generator().manual_seed(2))
     p = PREFILL_MIN_ROWS
-    bf16 = torch.nn.functional.linear(x[:p].to(torch.bfloat16), w.dequantize().to(torch.bfloat16)).float()
     y = fast(x, p)
-    assert torch.equal(y[:p], bf16)  # prompt rows: the file's numbers rounded to bfloat16
+    # prompt rows: the file's numbers and the input rounded to bfloat16, products summed in
+    # float32: on AMX tiles (float32 out), else by oneDNN (rounded to bfloat16)
+    if fast._gemm is not None:
+        exact = x[:p].to(torch.bfloat16).double() @ w.dequantize().to(torch.bfloat16).double().T
+        torch.testing.assert_close(y[:p].double(), exact, rtol=1e-5, atol=1e-5)
+    else:
+        bf16 = torch.nn.functional.linear(x[:p].to(torch.bfloat16), w.dequantize().to(torch.bfloat16)).float()
+        assert torch.equal(y[:p], bf16)
     assert torch.equal(y[p:], plain(x[p:]))  # decode rows: exactly what the blocks give
     assert torch.equal(fast(x, p - 1), plain(x))  # too few prompt rows: all on the blocks
     assert not torch.equal(y[:p], plain(x)[:p])  # the copy is really used
