@@ -224,14 +224,6 @@ def pack_interleaved(lib: ctypes.CDLL, w: GGUFWeight) -> torch.Tensor | None:
     return out
 
 
-# Prompt rows' bfloat16 multiply on AMX tiles (kernels/gguf_interleaved.c bf16_gemm_amx) for
-# matrices of fewer rows than this; oneDNN's (torch's mkldnn linear) for wider ones. Measured on
-# a 2-core AMX Xeon, against oneDNN in the same process, SmolLM2's matrices (N x K): at 1,024
-# input rows 960x576 0.44-0.65x its time, 576x1536 0.59-0.9x, 576x576 0.98-1.17x, 3072x576
-# 1.06-1.42x; at 4,096 rows alike. A layer's four at 1,024 rows: 0.73x with 3072x576 on oneDNN.
-AMX_GEMM_MAX_N = 2048
-
-
 def pack_bf16_tiles(lib: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor | None:
     """w: bfloat16 [N, K] -> its B tiles for `gemm_bf16_amx` (bf16_pack_tiles; w's size), or None
     where N is not a multiple of 16 or K of 32."""

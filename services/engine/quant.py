@@ -20,11 +20,11 @@ AMX Xeon, SmolLM2's 3072x576 gate/up matrix: 1000 rows 27 ms on the blocks, 2.1 
 32 rows 0.69 vs 0.38 ms. The bfloat16 copy is laid out once in oneDNN's own format
 (`_bf16_prepacked`) instead of handed to F.linear as a plain matrix each call (2-core Zen 4:
 a layer's four GEMMs at 1024 rows 17.8 -> 17.2 ms, 32 rows of gate/up 341 -> 277 us; a
-16 x 64-token prefill 654 -> 624 ms; bit-identical results). Where the CPU has AMX-BF16, matrices
-of fewer than gguf_kernels.AMX_GEMM_MAX_N rows are laid out as AMX tiles instead and multiplied
-by gguf_interleaved.c's bf16_gemm_amx (float32 sums, y in float32 or bfloat16 as the caller
-wants, a row's result independent of the batch): a whole 16 x 64-token prefill on a 2-core AMX
-Xeon, two engines in one process taking turns, 235 -> 209 ms (0.90x per turn; 64 x 64: 0.96x).
+16 x 64-token prefill 654 -> 624 ms; bit-identical results). Where the CPU has AMX-BF16, the copy is
+laid out as AMX tiles instead and multiplied by gguf_interleaved.c's bf16_gemm_amx (float32
+sums, y in float32 or bfloat16 as the caller wants, a row's result independent of the batch):
+a whole 16 x 64-token prefill on a 2-core AMX Xeon, two engines in one process taking turns,
+0.88-0.94x oneDNN's time per turn over four runs (e.g. 279 -> 261 ms); 64 x 64: 0.95x.
 
 Decode (`decode_dtype`): every other row is multiplied on the file's blocks; where their kernels
 have an AVX512-BF16 build ("auto"), in bfloat16 arithmetic: Q4_0, Q4_1 and Q8_0 matrices with
@@ -149,7 +149,7 @@ class GGUFLinear:
         self._bf16, self._gemm = None, None
         if prefill_bf16:
             w16 = gguf_kernels.dequantize(lib, weight).to(torch.bfloat16).contiguous()
-            tiles = gguf_kernels.load_interleaved() if weight.shape[0] < gguf_kernels.AMX_GEMM_MAX_N else None
+            tiles = gguf_kernels.load_interleaved()
             if gguf_kernels.interleaved_amx(tiles):
                 self._bf16 = gguf_kernels.pack_bf16_tiles(tiles, w16)
                 self._gemm = tiles if self._bf16 is not None else None

@@ -410,10 +410,13 @@ int gguf_linear_il16_amx(int fmt, const float *x, const uint8_t *pk, float *y, i
    (x's rows read in place), two B tiles and four multiplies. Work items are a block of rows
    sized to stay in L2 (ROWS_L2_BYTES of x) x two column tiles, in row-block order (a block's
    rows serve every column before the next block's are read). SmolLM2's prompt linears, 1,024
-   rows, 2-core Xeon, against oneDNN's bfloat16 (torch's mkldnn linear, prepacked) in the same
-   process: 960x576 0.44-0.65x its time, 576x1536 0.59-0.9x, 576x576 0.98-1.17x, 3072x576
-   1.06-1.42x (that one stays with oneDNN: gguf_kernels.AMX_GEMM_MAX_N). A tile's rows are read
-   with TILELOADDT1 (x is streamed past the weights' tiles, which stay in L1): ~20% on K = 576. */
+   rows, 2-core Xeon, two engines in one process taking turns, each matrix's share of a 16 x
+   64-token prefill against oneDNN's bfloat16 (torch's mkldnn linear, prepacked): 576x576 17.1 vs
+   19.5 ms, 576x1536 41.0 vs 67.2, 960x576 31.0 vs 40.8 (float32 out; oneDNN's bfloat16 then
+   widened), 3072x576 75.4 vs 91.1. What it took: x's tiles read with TILELOADDT1 (streamed past
+   the weights' tiles, which stay in L1: ~20% at K = 576); an item's first rows prefetch its B
+   tiles two steps ahead (they come from memory: 576x576 21.4 -> 16.9 ms); bfloat16 rows of two
+   column tiles written as one 64-byte store (3072x576 slower than oneDNN before, faster after). */
 #define ROWS_L2_BYTES (512 * 1024)
 
 /* w: bfloat16 [N, K] -> out (the same size): tile (j, s) at (j * K / 32 + s) * 512, its row r
@@ -454,10 +457,18 @@ static inline void gemm_out(const float *cb, void *y, int64_t m, int64_t rows, i
     }
 }
 
+/* C tiles of columns 16 j and 16 (j + 1), side by side, into y's rows m (< rows) as bfloat16 */
+static inline void gemm_out2(const float *c0, const float *c1, void *y, int64_t m, int64_t rows, int64_t j,
+                             int64_t N) {
+    for (int64_t r = 0; r < 16 && r < rows; r++)
+        _mm512_storeu_si512((void *)((uint16_t *)y + (m + r) * N + 16 * j),
+                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(c1 + 16 * r), _mm512_load_ps(c0 + 16 * r)));
+}
+
 /* rows [m, m + 32) of x (xa: their first, lda: its row stride in elements) against column
    tiles j, j + 1 (two: whether j + 1 is one) */
 static inline __attribute__((always_inline)) void gemm_block(const uint16_t *xa, int64_t lda,
-        const uint16_t *bp, int64_t ks, int64_t j, int two, float *cb) {
+        const uint16_t *bp, int64_t ks, int64_t j, int two, float *cb, int fetch) {
     const uint16_t *b0 = bp + j * ks * 512, *b1 = b0 + ks * 512;
     _tile_zero(0);
     _tile_zero(1);
@@ -465,6 +476,11 @@ static inline __attribute__((always_inline)) void gemm_block(const uint16_t *xa,
     _tile_zero(3);
     if (two)
         for (int64_t s = 0; s < ks; s++) {
+            if (fetch)  /* an item's first rows: its B tiles come from memory, two steps ahead */
+                for (int o = 0; o < 512; o += 32) {
+                    _mm_prefetch((const char *)(b0 + (s + 2) * 512 + o), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(b1 + (s + 2) * 512 + o), _MM_HINT_T0);
+                }
             _tile_stream_loadd(4, xa + 32 * s, lda * 2);
             _tile_loadd(6, b0 + s * 512, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -521,12 +537,17 @@ int bf16_gemm_amx(const uint16_t *x, const uint16_t *bp, void *y, int64_t M, int
                     memset(tail + rows * K, 0, sizeof(uint16_t) * (32 - rows) * K);
                     xa = tail;
                 }
-                gemm_block(xa, K, bp, ks, j, (int)two, cb);
-                gemm_out(cb, y, m, rows, j, N, out_bf16);
-                gemm_out(cb + 256, y, m + 16, rows - 16, j, N, out_bf16);
-                if (two) {
-                    gemm_out(cb + 512, y, m, rows, j + 1, N, out_bf16);
-                    gemm_out(cb + 768, y, m + 16, rows - 16, j + 1, N, out_bf16);
+                gemm_block(xa, K, bp, ks, j, (int)two, cb, m == b * rb);
+                if (two && out_bf16) {  /* a row's 32 columns: one 64-byte store */
+                    gemm_out2(cb, cb + 512, y, m, rows, j, N);
+                    gemm_out2(cb + 256, cb + 768, y, m + 16, rows - 16, j, N);
+                } else {
+                    gemm_out(cb, y, m, rows, j, N, out_bf16);
+                    gemm_out(cb + 256, y, m + 16, rows - 16, j, N, out_bf16);
+                    if (two) {
+                        gemm_out(cb + 512, y, m, rows, j + 1, N, out_bf16);
+                        gemm_out(cb + 768, y, m + 16, rows - 16, j + 1, N, out_bf16);
+                    }
                 }
             }
         }
