@@ -183,7 +183,8 @@ def build_core(config: EngineConfig, window: LoadWindow | None = None) -> Engine
                         burst_hold_s=config.burst_hold_ms / 1000,
                         prompt_wait_s=config.prompt_wait_ms / 1000,
                         speculation=SpeculationConfig(enabled=config.speculation,
-                                                      num_draft_tokens=config.num_draft_tokens),
+                                                      num_draft_tokens=config.num_draft_tokens,
+                                                      row_tile=runner.decode_row_tile),
                         # keep ~1% free so running requests can grow without preemption
                         admission_reserve_blocks=max(1, runner.num_blocks // 100)),
         BlockManager(runner.num_blocks, runner.block_size,

@@ -178,6 +178,12 @@ class GGUFLinear:
             w = self.weight.blocks
         return ctypes.cast(fn, ctypes.c_void_p).value, code, w.data_ptr(), n, k
 
+    @property
+    def decode_row_tile(self) -> int:
+        """Decode rows multiplied as one unit: 16 on AMX tiles (up to 16 rows cost alike), else
+        0 (each row costs its own)."""
+        return 16 if self._interleaved is not None and self._amx else 0
+
     def prefetch_next_kernel(self) -> int | None:
         """Where decode rows go through the interleaved kernel (VDPBF16PS): the address of its
         gguf_il16_prefetch_next (rows it prefetches during its next call), else None (the AMX

@@ -146,8 +146,11 @@ class ModelRunner:
             self.graphs.capture()
         elif on_cuda and cuda_graphs:
             log.warning("cuda_graphs_off", reason="no paged decode kernel (triton did not import)")
+        # decode rows the layers multiply as one unit (16 on AMX tiles; 0: each row its own)
+        self.decode_row_tile = getattr(self.model.layers[0].qkv, "decode_row_tile", 0)
         self.load_seconds = time.perf_counter() - t0
         log.info("runner_ready", model=self.model_name, dtype=dtype, quantization=quantization,
+                 decode_row_tile=self.decode_row_tile,
                  kv_cache_dtype=kv_cache_dtype, prefill_bfloat16=prefill_bf16,
                  decode_bfloat16=decode_bf16,
                  num_blocks=self.num_blocks, block_size=block_size, max_context=self.max_context,

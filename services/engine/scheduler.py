@@ -277,7 +277,8 @@ class Scheduler:
         (`itl_target_s`, as prompt chunks are).
         On one stream a CPU's draft token costs ~a tenth of a decode and most drafts pay; in
         a batch that is already compute-bound each costs about a row of its own, and only
-        near-certain ones do. Best-accepting sequences draft first."""
+        near-certain ones do. Best-accepting sequences draft first. Where the runner multiplies
+        decode rows in units (`SpeculationConfig.row_tile`), drafts fill only the last unit."""
         spec = self.config.speculation
         if not spec.enabled:
             return
@@ -289,6 +290,8 @@ class Scheduler:
                 self.config.itl_target_s * DRAFT_TARGET_SHARE, len(decodes),
                 sum(len(c.token_ids) for c in chunks) - len(decodes))
             room = room if fits is None else min(room, fits)
+        if spec.row_tile:  # only the free rows of the decodes' last unit
+            room = min(room, -(-len(decodes) // spec.row_tile) * spec.row_tile - len(decodes))
         candidates = [(i, s) for i, s in decodes if s.speculation and _streaming(s)]
         if not candidates or room <= 0:
             return

@@ -142,6 +142,35 @@ def test_engine_switch_off_never_drafts():
     assert s.output_token_ids == reference_output(s.prompt_token_ids, 20, copying_token)
 
 
+def test_with_a_row_tile_drafts_fill_only_the_free_rows_of_the_last_tile():
+    """A runner that multiplies decode rows 4 at a time (row_tile=4): 3 decodes leave room for
+    one draft token, 4 for none, 5 for three; the outputs are the plain ones. Without the tile
+    the same requests draft past it."""
+    def run(tile):
+        core, runner = make(spec=SpeculationConfig(num_draft_tokens=6, max_draft_tokens_per_step=24,
+                                                   row_tile=tile))
+        seqs = [make_seq(i, prompt=code_prompt(20 + i, 48), max_tokens=40, ignore_eos=True) for i in range(5)]
+        for s in seqs:
+            core.add(s)
+        drain(core)
+        for s in seqs:
+            assert s.output_token_ids == reference_output(s.prompt_token_ids, 40, copying_token)
+        steps = []
+        for b in runner.batches:
+            decodes = [c for c in b.chunks if c.sample and len(c.token_ids) == 1 + c.num_draft_tokens
+                       and c.output_token_ids]
+            steps.append((len(decodes), sum(c.num_draft_tokens for c in b.chunks)))
+        return steps
+
+    tiled = run(4)
+    assert any(d for _, d in tiled)  # drafts still verified in the free rows
+    for rows, drafts in tiled:
+        assert drafts <= -(-rows // 4) * 4 - rows, (rows, drafts)
+    assert any(drafts > -(-rows // 4) * 4 - rows for rows, drafts in run(0))
+    with pytest.raises(ValueError, match="row_tile"):
+        SpeculationConfig(row_tile=-1)
+
+
 def test_rejected_drafts_free_their_blocks_and_every_step_keeps_the_budget():
     core, runner = make(num_blocks=64, max_num_batched_tokens=32)
     sched, blocks = core.scheduler, core.scheduler.blocks
