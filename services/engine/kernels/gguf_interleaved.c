@@ -248,15 +248,15 @@ struct amx_cfg { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; u
 /* Two tile sets, 0 (tiles 0, 2, 4) and 1 (tiles 1, 3, 5): A (input rows x 32 k), B (a unit's
    pairs), C (input rows x 16 weight rows). Up to 16 input rows both hold all M rows and take
    a unit each, two chains at once (one unit's part is a chain of tile loads, a multiply, a
-   store and vector loads: alone, its latency bounds a one-row call); more rows: set 0 holds
-   16, set 1 the last M % 16. */
+   store and vector loads: alone, its latency bounds a one-row call); more rows: both hold 16
+   (the input's rows zero-padded to 16s) and take alternate units. */
 static void amx_configure(int64_t M) {
     struct amx_cfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 6; t++) {  /* B tiles (2, 3) always hold a unit's 16 pairs */
         c.colsb[t] = 64;
-        c.rows[t] = (uint8_t)(t == 2 || t == 3 ? 16 : M <= 16 ? M : (t & 1) && M % 16 ? M % 16 : 16);
+        c.rows[t] = (uint8_t)(M <= 16 && !(t == 2 || t == 3) ? M : 16);
     }
     _tile_loadconfig(&c);
 }
@@ -336,14 +336,18 @@ static void agroup_amx(int fmt, const uint16_t *xb, const float *sx, const uint8
         UNROLL for (int p = 0; p < 16; p++)
             _mm512_store_si512((void *)(bt + b * 512 + p * 32), (__m512i)pair_q(fmt, unit + pairs_at(fmt), p, lut));
     }
+    /* Each input tile of 16 rows (xb's rows are zero-padded to 16s; rows past M are not
+       kept): unit b + 1 multiplied on the other tile set while unit b's part is scaled. */
     for (int64_t t = 0; t < M; t += 16) {
         int64_t rows = M - t < 16 ? M - t : 16;
-        int set = rows < 16;
         __m512 acc[16];
         UNROLL for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+        amx_part(0, xb + t * K, xs, bt, cb);
         for (int64_t b = 0; b < nb; b++) {
-            amx_part(set, xb + t * K + b * QK, xs, bt + b * 512, cb);
-            amx_scale(fmt, units + b * ub, cb, sx, nb, b, t, rows, acc);
+            if (b + 1 < nb)
+                amx_part((int)((b + 1) & 1), xb + t * K + (b + 1) * QK, xs, bt + (b + 1) * 512,
+                         cb + ((b + 1) & 1) * 256);
+            amx_scale(fmt, units + b * ub, cb + (b & 1) * 256, sx, nb, b, t, rows, acc);
         }
         UNROLL for (int i = 0; i < 16; i++)
             if (i < rows) _mm512_storeu_ps(y + (t + i) * N + 16 * g, acc[i]);
@@ -370,14 +374,15 @@ int gguf_linear_il16_amx(int fmt, const float *x, const uint8_t *pk, float *y, i
     next_side.n = 0;
     if (!(fmt == FMT_Q4_1 || fmt == FMT_Q4_0 || fmt == FMT_Q8_0) || N % 16 || K % QK) return -1;
     if (M == 0) return 0;
-    int64_t nb = K / QK;
-    uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * M * K);
+    int64_t nb = K / QK, Mp = M > 16 ? (M + 15) / 16 * 16 : M;  /* input tiles of 16 rows past 16 */
+    uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * Mp * K);
     float *sx = (float *)malloc(sizeof(float) * M * nb);
     if (!xb || !sx) {
         free(xb);
         free(sx);
         return -2;
     }
+    memset(xb + M * K, 0, sizeof(uint16_t) * (Mp - M) * K);
     int rc = 0;
     #pragma omp parallel
     {
