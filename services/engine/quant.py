@@ -22,9 +22,9 @@ AMX Xeon, SmolLM2's 3072x576 gate/up matrix: 1000 rows 27 ms on the blocks, 2.1 
 a layer's four GEMMs at 1024 rows 17.8 -> 17.2 ms, 32 rows of gate/up 341 -> 277 us; a
 16 x 64-token prefill 654 -> 624 ms; bit-identical results). Where the CPU has AMX-BF16, the copy is
 laid out as AMX tiles instead and multiplied by gguf_interleaved.c's bf16_gemm_amx (float32
-sums, y in float32 or bfloat16 as the caller wants, a row's result independent of the batch):
+sums rounded to bfloat16 as oneDNN's are, a row's result independent of the batch):
 a whole 16 x 64-token prefill on a 2-core AMX Xeon, two engines in one process taking turns,
-0.88-0.94x oneDNN's time per turn over four runs (e.g. 279 -> 261 ms); 64 x 64: 0.95x.
+0.79-0.94x oneDNN's time per turn over six runs (e.g. 337 -> 263 ms); 64 x 64: 0.95-0.99x.
 
 Decode (`decode_dtype`): every other row is multiplied on the file's blocks; where their kernels
 have an AVX512-BF16 build ("auto"), in bfloat16 arithmetic: Q4_0, Q4_1 and Q8_0 matrices with
@@ -202,24 +202,24 @@ class GGUFLinear:
         bfloat16 step (`bf16_step`) x may be bfloat16 already and, with bf16_out, y stays the
         bfloat16 the multiply rounded it to (the same numbers a float32 y widens exactly)."""
         if self.bf16_step(x.shape[0], prefill_rows):
-            y = self._prompt_rows(x, torch.bfloat16 if bf16_out else self.out_dtype)
-            return y if bf16_out or y.dtype == self.out_dtype else y.to(self.out_dtype)
+            y = self._prompt_rows(x)
+            return y if bf16_out or self.out_dtype == torch.bfloat16 else y.to(self.out_dtype)
         x = x.float()
         if self._bf16 is None or prefill_rows < PREFILL_MIN_ROWS:
             y = self._blocks(x)
         else:
             y = torch.empty((x.shape[0], self.weight.shape[0]), dtype=torch.float32)
-            y[:prefill_rows] = self._prompt_rows(x[:prefill_rows], torch.float32)
+            y[:prefill_rows] = self._prompt_rows(x[:prefill_rows])
             y[prefill_rows:] = self._blocks(x[prefill_rows:])
         return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
 
-    def _prompt_rows(self, x: torch.Tensor, want: torch.dtype) -> torch.Tensor:
-        """x @ w.T with the bfloat16 copy: x rounded to bfloat16; on AMX tiles y comes out as
-        `want` where that is float32 or bfloat16, from oneDNN in bfloat16."""
+    def _prompt_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T with the bfloat16 copy: x rounded to bfloat16, y the bfloat16 its float32
+        sums round to (on AMX tiles or by oneDNN alike; so a bfloat16 step's activations are
+        the numbers a float32 copy would hold)."""
         x = x.to(torch.bfloat16)
         if self._gemm is not None:
-            return gguf_kernels.gemm_bf16_amx(self._gemm, x, self._bf16, self.weight.shape[0],
-                                              want if want in (torch.float32, torch.bfloat16) else torch.float32)
+            return gguf_kernels.gemm_bf16_amx(self._gemm, x, self._bf16, self.weight.shape[0], torch.bfloat16)
         return _bf16_mm(x, self._bf16)
 
 

@@ -417,9 +417,10 @@ int gguf_linear_il16_amx(int fmt, const float *x, const uint8_t *pk, float *y, i
    rows serve every column before the next block's are read). SmolLM2's prompt linears, 1,024
    rows, 2-core Xeon, two engines in one process taking turns, each matrix's share of a 16 x
    64-token prefill against oneDNN's bfloat16 (torch's mkldnn linear, prepacked): 576x576 17.1 vs
-   19.5 ms, 576x1536 41.0 vs 67.2, 960x576 31.0 vs 40.8 (float32 out; oneDNN's bfloat16 then
-   widened), 3072x576 75.4 vs 91.1. What it took: x's tiles read with TILELOADDT1 (streamed past
-   the weights' tiles, which stay in L1: ~20% at K = 576); an item's first rows prefetch its B
+   19.5 ms, 576x1536 41.0 vs 67.2, 960x576 31.0 vs 40.8 (float32 out there; the engine now
+   takes bfloat16 from both), 3072x576 75.4 vs 91.1. What it took: x's tiles read with
+   TILELOADDT1 (streamed past the weights' tiles, which stay in L1: ~20% at K = 576); an
+   item's first rows prefetch its B
    tiles two steps ahead (they come from memory: 576x576 21.4 -> 16.9 ms); bfloat16 rows of two
    column tiles written as one 64-byte store (3072x576 slower than oneDNN before, faster after). */
 #define ROWS_L2_BYTES (512 * 1024)

@@ -321,11 +321,11 @@ def test_prompt_rows_use_the_bfloat16_copy_and_decode_rows_the_blocks():
     p = PREFILL_MIN_ROWS
     y = fast(x, p)
     # prompt rows: the file's numbers and the input rounded to bfloat16, products summed in
-    # float32: on AMX tiles (float32 out), else by oneDNN (rounded to bfloat16)
-    if fast._gemm is not None:
-        exact = x[:p].to(torch.bfloat16).double() @ w.dequantize().to(torch.bfloat16).double().T
-        torch.testing.assert_close(y[:p].double(), exact, rtol=1e-5, atol=1e-5)
-    else:
+    # float32 and rounded to bfloat16 (on AMX tiles or by oneDNN)
+    exact = x[:p].to(torch.bfloat16).double() @ w.dequantize().to(torch.bfloat16).double().T
+    assert torch.equal(y[:p], y[:p].to(torch.bfloat16).float())  # bfloat16 numbers
+    torch.testing.assert_close(y[:p].double(), exact, rtol=2 ** -8, atol=1e-5)
+    if fast._gemm is None:
         bf16 = torch.nn.functional.linear(x[:p].to(torch.bfloat16), w.dequantize().to(torch.bfloat16)).float()
         assert torch.equal(y[:p], bf16)
     assert torch.equal(y[p:], plain(x[p:]))  # decode rows: exactly what the blocks give
