@@ -190,6 +190,18 @@ def add_rmsnorm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor | None, w
     return out
 
 
+def _attention_rows(q: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention kernels' query rows (read in place when each row's heads are contiguous)
+    and their output: `out` checked (contiguous, q's shape), or a new float32 tensor."""
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=torch.float32)
+    elif not out.is_contiguous() or out.shape != q.shape:
+        raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
+    return q, out
+
+
 def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                            tables: torch.Tensor, ctx: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,14 +209,9 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, cache_k: torch.Ten
     in place); cache_k/v: float32 or float16, contiguous [num_blocks, bs, Hkv, D]; tables:
     int64 [B, max_nb]; ctx: int64 [B] context lengths (>= 1) -> float32 [B, H, D], written
     into `out` when given (contiguous)."""
+    q, out = _attention_rows(q, out)
     b, h, d = q.shape
-    if q.stride(2) != 1 or q.stride(1) != d:
-        q = q.contiguous()
     _, bs, hkv, _ = cache_k.shape
-    if out is None:
-        out = torch.empty((b, h, d), dtype=torch.float32)
-    elif not out.is_contiguous() or out.shape != q.shape:
-        raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
     fn = lib.paged_decode_attention_f16 if cache_k.dtype == torch.float16 else lib.paged_decode_attention
     fn(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), tables.data_ptr(),
        ctx.data_ptr(), out.data_ptr(), b, h, hkv, d, bs, tables.shape[1], scale, q.stride(0))
@@ -232,11 +239,8 @@ def prompt_attention(lib: ctypes.CDLL, q: torch.Tensor, cache_k: torch.Tensor, c
     prompt_attention_avx512; where prompt_attention_fits). q, cache_k/v, tables, ctx, out as
     paged_decode_attention takes them; groups: int64 [G, 2] (first row, rows): runs of one
     chunk's consecutive rows, row i's context the first row's + i, their tables alike."""
+    q, out = _attention_rows(q, out)
     b, h, d = q.shape
-    if q.stride(2) != 1 or q.stride(1) != d:
-        q = q.contiguous()
-    if not out.is_contiguous() or out.shape != q.shape:
-        raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
     _, bs, hkv, _ = cache_k.shape
     fn = lib.prompt_attention_avx512_f16 if cache_k.dtype == torch.float16 else lib.prompt_attention_avx512
     fn(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), tables.data_ptr(), ctx.data_ptr(),
