@@ -53,7 +53,8 @@ def _cpu_has_avx2_fma_f16c() -> bool:
 def build(source: str, flags: list[str], cache_dir: Path | None = None) -> Path:
     """Compiles kernels/<source> with `flags` into a shared library (cached by content and
     flags); raises RuntimeError or subprocess errors where it cannot."""
-    text = (KERNEL_DIR / source).read_text()
+    # the source and the headers it may include (kernels/*.h): a header's change is a new build
+    text = "\0".join(p.read_text() for p in [KERNEL_DIR / source, *sorted(KERNEL_DIR.glob("*.h"))])
     digest = hashlib.sha256("\0".join([text, *flags]).encode()).hexdigest()[:16]
     cache_dir = cache_dir or Path.home() / ".cache" / "tokenserve" / "kernels"
     so = cache_dir / f"{Path(source).stem}_{digest}.so"

@@ -115,6 +115,8 @@ def load_interleaved(cache_dir: Path | None = None) -> ctypes.CDLL | None:
                 lib.bf16_pack_tiles.restype = lib.bf16_gemm_amx.restype = ctypes.c_int
                 lib.bf16_pack_tiles.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
                 lib.bf16_gemm_amx.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+                lib.bf16_gemm_amx_swiglu.restype = ctypes.c_int
+                lib.bf16_gemm_amx_swiglu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
                 amx = lib.gguf_il16_amx_init() == 0
                 if not amx:
                     log.warning("gguf_interleaved_amx_unavailable", reason="Linux refused the AMX tile state")
@@ -248,6 +250,17 @@ def gemm_bf16_amx(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: in
             x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], n, x.shape[1],
             int(out_dtype == torch.bfloat16)) != 0:
         raise ValueError(f"bf16_gemm_amx rejected a {n}x{x.shape[1]} matrix into {out_dtype}")
+    return y
+
+
+def gemm_bf16_amx_swiglu(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for packed = pack_bf16_tiles(lib, [gate; up]) (n rows, a
+    multiple of 32): x bfloat16 [M, K] -> bfloat16 [M, n / 2], the same bits as
+    silu_mul(gemm_bf16_amx(lib, x, packed, n, torch.bfloat16)) without the [M, n] output."""
+    x = x.contiguous()
+    y = torch.empty((x.shape[0], n // 2), dtype=torch.bfloat16)
+    if lib.bf16_gemm_amx_swiglu(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], n, x.shape[1]) != 0:
+        raise ValueError(f"bf16_gemm_amx_swiglu rejected a {n}x{x.shape[1]} matrix")
     return y
 
 

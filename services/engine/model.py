@@ -134,7 +134,7 @@ class LlamaModel:
                 attn = attend(q, k, v, kv.k[i], kv.v[i], meta, self.scale, self.cpu_kernels,
                               self._paged)  # [T, H * D]
                 h = self._norm(x, _mm(layer.o, attn, p, bf16), layer.ffn_norm, bf16)
-                mlp = _mm(layer.down, self._silu_mul(_mm(layer.gate_up, h, p, bf16)), p, bf16)
+                mlp = _mm(layer.down, self._swiglu(layer.gate_up, h, p, bf16), p, bf16)
                 if i + 1 < len(self.layers):
                     h = self._norm(x, mlp, self.layers[i + 1].attn_norm, bf16)
                     if between_layers is not None:
@@ -167,6 +167,16 @@ class LlamaModel:
         # every layer linear is built alike: the first one answers for all
         return (self.bf16_activations and self.cpu_kernels is not None and self._gguf_layers
                 and self.layers[0].qkv.bf16_step(rows, prefill_rows))
+
+    def _swiglu(self, gate_up, h: torch.Tensor, prefill_rows: int, bf16: bool) -> torch.Tensor:
+        """silu(gate) * up of h: in a bfloat16 step one fused multiply where the linear has it
+        (GGUFLinear.swiglu_rows: the same bits), else the multiply then silu_mul."""
+        if bf16:
+            fused = getattr(gate_up, "swiglu_rows", None)
+            out = fused(h) if fused is not None else None
+            if out is not None:
+                return out
+        return self._silu_mul(_mm(gate_up, h, prefill_rows, bf16))
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels is not None:

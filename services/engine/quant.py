@@ -213,6 +213,15 @@ class GGUFLinear:
             y[prefill_rows:] = self._blocks(x[prefill_rows:])
         return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
 
+    def swiglu_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a [gate; up] linear in a bfloat16 step (`bf16_step`) on AMX tiles:
+        silu(x @ gate.T) * (x @ up.T) in bfloat16 in one pass (the same bits as silu_mul over
+        what __call__ returns with bf16_out, without writing and reading back that [T, 2I]
+        output); None where this linear cannot (then call it and silu_mul)."""
+        if self._gemm is None or self.weight.shape[0] % 32:
+            return None
+        return gguf_kernels.gemm_bf16_amx_swiglu(self._gemm, x.to(torch.bfloat16), self._bf16, self.weight.shape[0])
+
     def _prompt_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T with the bfloat16 copy: x rounded to bfloat16, y the bfloat16 its float32
         sums round to (on AMX tiles or by oneDNN alike; so a bfloat16 step's activations are

@@ -432,24 +432,7 @@ void silu_mul_avx2(const void *gu, void *out, int64_t M, int64_t I, int bf16) {
 #define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
-/* exp256 on 16 lanes, operation for operation (the same bits per lane). */
-TARGET_AVX512 static inline __m512 exp512(__m512 x) {
-    const __m512 lim = _mm512_set1_ps(88.3762626647949f);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
-    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+#include "silu512.h"
 
 TARGET_AVX512BF16 static inline __m512 load16(const void *row, int64_t i, int bf16) {
     if (!bf16) return _mm512_loadu_ps((const float *)row + i);
@@ -463,9 +446,7 @@ TARGET_AVX512BF16 void silu_mul_avx512(const void *gu, void *out, int64_t M, int
         int64_t g = m * 2 * I, u = g + I, o = m * I;
         int64_t k = 0;
         for (; k + 16 <= I; k += 16) {
-            __m512 gv = load16(gu, g + k, bf16);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            __m512 r = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), load16(gu, u + k, bf16));
+            __m512 r = silu_mul16(load16(gu, g + k, bf16), load16(gu, u + k, bf16));
             if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + o + k), (__m256i)_mm512_cvtneps_pbh(r));
             else _mm512_storeu_ps((float *)out + o + k, r);
         }

@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "silu512.h"
+
 enum { FMT_Q8_0 = 8, FMT_Q4_0 = 2, FMT_Q4_1 = 3 };
 #define QK 32
 #define MC 8 /* input rows per tile: 8 accumulators and 8 block sums in registers */
@@ -471,11 +473,23 @@ static inline void gemm_out2(const float *c0, const float *c1, void *y, int64_t 
                             (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(c1 + 16 * r), _mm512_load_ps(c0 + 16 * r)));
 }
 
+/* SwiGLU of a gate C tile and its up C tile (rows m.. < rows) into y's columns 16 j (I wide) as
+   bfloat16: each sum rounded to bfloat16 first, as the unfused step's gate/up output is, then
+   silu_mul's arithmetic on those numbers (the same bits as silu_mul over that output). */
+static inline void gemm_out_silu(const float *cg, const float *cu, uint16_t *y, int64_t m, int64_t rows,
+                                 int64_t j, int64_t I) {
+    for (int64_t r = 0; r < 16 && r < rows; r++) {
+        __m512 g = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_load_ps(cg + 16 * r)));
+        __m512 u = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_load_ps(cu + 16 * r)));
+        _mm256_storeu_si256((__m256i *)(y + (m + r) * I + 16 * j), (__m256i)_mm512_cvtneps_pbh(silu_mul16(g, u)));
+    }
+}
+
 /* rows [m, m + 32) of x (xa: their first, lda: its row stride in elements) against column
-   tiles j, j + 1 (two: whether j + 1 is one) */
+   tiles j and j1 (two: whether there is a j1) */
 static inline __attribute__((always_inline)) void gemm_block(const uint16_t *xa, int64_t lda,
-        const uint16_t *bp, int64_t ks, int64_t j, int two, float *cb, int fetch) {
-    const uint16_t *b0 = bp + j * ks * 512, *b1 = b0 + ks * 512;
+        const uint16_t *bp, int64_t ks, int64_t j, int64_t j1, int two, float *cb, int fetch) {
+    const uint16_t *b0 = bp + j * ks * 512, *b1 = bp + j1 * ks * 512;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -512,11 +526,15 @@ static inline __attribute__((always_inline)) void gemm_block(const uint16_t *xa,
     }
 }
 
-int bf16_gemm_amx(const uint16_t *x, const uint16_t *bp, void *y, int64_t M, int64_t N, int64_t K,
-                  int out_bf16) {
-    if (N % 16 || K % 32) return -1;
+/* mode 0: y float32 [M, N]; 1: bfloat16 [M, N]; 2 (SWIGLU): w is [gate; up] (N / 2 rows each,
+   N % 32 == 0) and y bfloat16 [M, N / 2] = silu(gate) * up, each work item a gate column tile
+   with its up column tile, so the step never writes the [M, N] gate/up output nor reads it back
+   (gemm_out_silu: the same bits as bfloat16 gate/up output then silu_mul). */
+enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_SWIGLU = 2 };
+static int gemm_run(const uint16_t *x, const uint16_t *bp, void *y, int64_t M, int64_t N, int64_t K, int mode) {
+    if (N % 16 || K % 32 || (mode == OUT_SWIGLU && N % 32)) return -1;
     if (M == 0) return 0;
-    int64_t ks = K / 32, nt = N / 16, np = (nt + 1) / 2;
+    int64_t ks = K / 32, nt = N / 16, np = mode == OUT_SWIGLU ? nt / 2 : (nt + 1) / 2;
     int64_t rb = ROWS_L2_BYTES / (K * 2) / 32 * 32;  /* rows a block: 32s that fit */
     if (rb < 32) rb = 32;
     int64_t nrb = (M + rb - 1) / rb;
@@ -534,7 +552,15 @@ int bf16_gemm_amx(const uint16_t *x, const uint16_t *bp, void *y, int64_t M, int
         #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < nrb * np; item++) {
             if (!cb) continue;
-            int64_t b = item / np, j = 2 * (item % np), two = j + 1 < nt;
+            int64_t b = item / np, j = item % np, j1, two;
+            if (mode == OUT_SWIGLU) {
+                j1 = j + np;  /* the up half's tile of the same columns */
+                two = 1;
+            } else {
+                j *= 2;
+                j1 = j + 1;
+                two = j1 < nt;
+            }
             for (int64_t m = b * rb; m < M && m < (b + 1) * rb; m += 32) {
                 int64_t rows = M - m < 32 ? M - m : 32;
                 const uint16_t *xa = x + m * K;
@@ -543,16 +569,19 @@ int bf16_gemm_amx(const uint16_t *x, const uint16_t *bp, void *y, int64_t M, int
                     memset(tail + rows * K, 0, sizeof(uint16_t) * (32 - rows) * K);
                     xa = tail;
                 }
-                gemm_block(xa, K, bp, ks, j, (int)two, cb, m == b * rb);
-                if (two && out_bf16) {  /* a row's 32 columns: one 64-byte store */
+                gemm_block(xa, K, bp, ks, j, j1, (int)two, cb, m == b * rb);
+                if (mode == OUT_SWIGLU) {
+                    gemm_out_silu(cb, cb + 512, y, m, rows, j, N / 2);
+                    gemm_out_silu(cb + 256, cb + 768, y, m + 16, rows - 16, j, N / 2);
+                } else if (two && mode == OUT_BF16) {  /* a row's 32 columns: one 64-byte store */
                     gemm_out2(cb, cb + 512, y, m, rows, j, N);
                     gemm_out2(cb + 256, cb + 768, y, m + 16, rows - 16, j, N);
                 } else {
-                    gemm_out(cb, y, m, rows, j, N, out_bf16);
-                    gemm_out(cb + 256, y, m + 16, rows - 16, j, N, out_bf16);
+                    gemm_out(cb, y, m, rows, j, N, mode);
+                    gemm_out(cb + 256, y, m + 16, rows - 16, j, N, mode);
                     if (two) {
-                        gemm_out(cb + 512, y, m, rows, j + 1, N, out_bf16);
-                        gemm_out(cb + 768, y, m + 16, rows - 16, j + 1, N, out_bf16);
+                        gemm_out(cb + 512, y, m, rows, j1, N, mode);
+                        gemm_out(cb + 768, y, m + 16, rows - 16, j1, N, mode);
                     }
                 }
             }
@@ -560,5 +589,15 @@ int bf16_gemm_amx(const uint16_t *x, const uint16_t *bp, void *y, int64_t M, int
         _tile_release();
     }
     return rc;
+}
+
+int bf16_gemm_amx(const uint16_t *x, const uint16_t *bp, void *y, int64_t M, int64_t N, int64_t K,
+                  int out_bf16) {
+    return gemm_run(x, bp, y, M, N, K, out_bf16 ? OUT_BF16 : OUT_F32);
+}
+
+/* y bfloat16 [M, N / 2] = silu(x @ gate.T) * (x @ up.T), bp the tiles of [gate; up] (N rows) */
+int bf16_gemm_amx_swiglu(const uint16_t *x, const uint16_t *bp, uint16_t *y, int64_t M, int64_t N, int64_t K) {
+    return gemm_run(x, bp, y, M, N, K, OUT_SWIGLU);
 }
 #endif

@@ -240,6 +240,29 @@ def test_amx_bfloat16_gemm_sums_bfloat16_products_in_float32_whatever_the_batch(
     assert gguf_kernels.gemm_bf16_amx(amxlib, x[:0], packed, n).shape == (0, n)
 
 
+@pytest.mark.parametrize("n, k", [(32, 32), (96, 64), (3072, 576)])
+def test_amx_swiglu_gives_silu_mul_of_the_bfloat16_gate_up_output_bit_for_bit(amxlib, n, k):
+    """The gate/up multiply with SwiGLU fused (bf16_gemm_amx_swiglu): the same bits as the
+    bfloat16 gate/up output followed by silu_mul, for any number of rows; a row's result the
+    same alone or in a batch; [gate; up] must split into whole tiles (n % 32)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+    x = (torch.randn(300, k, generator=g) * 3).to(torch.bfloat16)  # gate sums well past silu's knee
+    packed = gguf_kernels.pack_bf16_tiles(amxlib, w)
+    fl = cpu_kernels.load()
+    full = gguf_kernels.gemm_bf16_amx_swiglu(amxlib, x, packed, n)
+    assert full.shape == (300, n // 2) and full.dtype == torch.bfloat16
+    assert torch.equal(full, cpu_kernels.silu_mul(fl, gguf_kernels.gemm_bf16_amx(amxlib, x, packed, n, torch.bfloat16)))
+    gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+    torch.testing.assert_close(full.double(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 20), slice(0, 33), slice(250, 300)):
+        assert torch.equal(gguf_kernels.gemm_bf16_amx_swiglu(amxlib, x[rows], packed, n), full[rows]), rows
+    assert gguf_kernels.gemm_bf16_amx_swiglu(amxlib, x[:0], packed, n).shape == (0, n // 2)
+    odd = gguf_kernels.pack_bf16_tiles(amxlib, w[:48])
+    with pytest.raises(ValueError, match="swiglu rejected a 48x"):
+        gguf_kernels.gemm_bf16_amx_swiglu(amxlib, x, odd, 48)
+
+
 def test_decode_dtype_follows_the_cpu_unless_chosen():
     here = gguf_kernels.has_bfloat16(gguf_kernels.load())
     assert decode_in_bfloat16("auto", "cpu") == here

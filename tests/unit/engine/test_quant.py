@@ -1,6 +1,8 @@
 """Weight-only int8: the AVX2 kernel, the dequantize path and their agreement."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,22 @@ def test_kernel_builds_on_this_machine():
     if not cpu_kernels._cpu_has_avx2_fma_f16c():
         pytest.skip("CPU without AVX2/FMA: the torch path is used")
     assert cpu_kernels.load() is not None
+
+
+def test_a_changed_kernel_header_is_a_new_build(tmp_path, monkeypatch):
+    """A kernel's cached library is keyed by its source and the headers beside it: editing
+    kernels/*.h (shared by two sources) rebuilds both rather than reusing a stale library."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "k.c").write_text('#include "v.h"\nint value(void) { return V; }\n')
+    (src / "v.h").write_text("#define V 1\n")
+    monkeypatch.setattr(cpu_kernels, "KERNEL_DIR", src)
+    first = cpu_kernels.build("k.c", [], tmp_path / "cache")
+    assert cpu_kernels.build("k.c", [], tmp_path / "cache") == first  # cached
+    (src / "v.h").write_text("#define V 2\n")
+    second = cpu_kernels.build("k.c", [], tmp_path / "cache")
+    assert second != first
+    assert ctypes.CDLL(str(first)).value() == 1 and ctypes.CDLL(str(second)).value() == 2
 
 
 def test_kernel_and_fallback_agree(weight):
