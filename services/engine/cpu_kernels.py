@@ -5,7 +5,8 @@ int8_linear:  y[m, n] = scale[n] * sum_k x[m, k] * q[n, k], with q packed by `pa
               vector serves up to 12 rows of x, so a batch of decodes costs far less than M
               calls, and a prefill chunk runs as fast as the float GEMM
 paged_decode_attention: one query per sequence against its K/V read in place through its
-              block table (torch would gather every block into a padded copy per layer)
+              block table (torch would gather every block into a padded copy per layer);
+              on 16 lanes where the CPU has AVX512F (head_dim % 16 == 0)
 add_rmsnorm:  x += delta (in place, when given); out = x * rsqrt(mean(x^2) + eps) * w
 rope_write_kv: RoPE on a step's query and key heads in place, then its K/V into their cache
               slots (float32 or float16), one pass per layer
@@ -89,7 +90,8 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(so))
         lib.int8_linear.restype = None
         lib.int8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        for name in ("paged_decode_attention", "paged_decode_attention_f16"):
+        for name in [base + isa for base in ("paged_decode_attention", "paged_decode_attention_f16")
+                     for isa in ("", "_avx2", "_avx512")]:  # the first picks by the CPU
             fn = getattr(lib, name)
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
@@ -105,6 +107,9 @@ def load(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         lib.fused_allow_avx512bf16.argtypes = [ctypes.c_int]
         lib.fused_allow_avx512bf16(int("avx512_bf16" in cpu_flags()))
         lib.avx512_allowed = "avx512f" in cpu_flags()  # prompt_attention's kernel (read per layer)
+        lib.fused_allow_avx512.restype = None
+        lib.fused_allow_avx512.argtypes = [ctypes.c_int]
+        lib.fused_allow_avx512(int(lib.avx512_allowed))  # paged_decode_attention's AVX-512 kernel
         lib.argmax_rows.restype = None
         lib.argmax_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.add_rmsnorm.restype = None

@@ -1,10 +1,25 @@
 """The C paged decode-attention kernel against the torch path it replaces."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from services.engine.attention import _decode, build_metadata
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def decode_isa(request, lib):
+    """paged_decode_attention's kernel for the test: the AVX2 one, or the AVX-512 one where the
+    CPU has AVX512F (the dispatcher takes it there unless TOKENSERVE_CPU_ISA caps it)."""
+    if request.param == "avx512" and not lib.avx512_allowed:
+        pytest.skip("the CPU (or TOKENSERVE_CPU_ISA) has no AVX512F: decode attention runs on AVX2")
+    lib.fused_allow_avx512(int(request.param == "avx512"))
+    yield request.param
+    lib.fused_allow_avx512(int(lib.avx512_allowed))
 
 
 def scattered_decodes(ctx_lens: list[int], block_size: int, num_blocks: int):
@@ -18,7 +33,7 @@ def scattered_decodes(ctx_lens: list[int], block_size: int, num_blocks: int):
 
 @pytest.mark.parametrize("head_dim", [64, 72, 128])
 @pytest.mark.parametrize("ctx_lens", [[2], [1 + 16], [5, 17, 100, 33], [16, 32, 8, 9, 200, 3]])
-def test_kernel_matches_torch(lib, head_dim, ctx_lens):
+def test_kernel_matches_torch(lib, decode_isa, head_dim, ctx_lens):
     g = torch.Generator().manual_seed(len(ctx_lens) * head_dim)
     bs, nblk, hkv, group = 16, 64, 3, 3
     cache_k = torch.randn(nblk, bs, hkv, head_dim, generator=g)
@@ -31,7 +46,7 @@ def test_kernel_matches_torch(lib, head_dim, ctx_lens):
     assert torch.allclose(fast, ref, atol=2e-5, rtol=1e-4)
 
 
-def test_rows_ignore_padding_beyond_their_context(lib):
+def test_rows_ignore_padding_beyond_their_context(lib, decode_isa):
     """A short sequence batched with a long one reads only its own positions."""
     g = torch.Generator().manual_seed(1)
     cache_k = torch.randn(32, 8, 1, 64, generator=g)  # [blocks, block_size, Hkv, D]
@@ -43,7 +58,7 @@ def test_rows_ignore_padding_beyond_their_context(lib):
 
 
 @pytest.mark.parametrize("ctx_lens", [[2], [5, 17, 100, 33]])
-def test_float16_cache_kernel_matches_torch_on_the_same_cache(lib, ctx_lens):
+def test_float16_cache_kernel_matches_torch_on_the_same_cache(lib, decode_isa, ctx_lens):
     """K/V stored as float16 (--kv-cache-dtype float16): the kernel converts as it loads and
     equals torch attending over the same float16 values."""
     g = torch.Generator().manual_seed(7)
@@ -90,7 +105,7 @@ def test_short_prompt_chunks_attend_through_the_kernel_as_through_torch(lib):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_kernel_reads_queries_in_place_and_writes_into_out(lib, cache_dtype):
+def test_kernel_reads_queries_in_place_and_writes_into_out(lib, decode_isa, cache_dtype):
     """The query heads of a step's Q/K/V rows (a strided view) give the bits a contiguous copy
     gives, and `out` is filled where it lies (no copies either way)."""
     from services.engine import cpu_kernels
@@ -110,6 +125,70 @@ def test_kernel_reads_queries_in_place_and_writes_into_out(lib, cache_dtype):
                                              0.125, out=staging[1:5])
     assert torch.equal(got, ref) and torch.equal(staging[1:5], ref)
     assert (staging[0] == 7).all() and (staging[5] == 7).all()
+
+
+def _kernel_call(fn, q, cache_k, cache_v, meta):
+    out = torch.empty(q.shape)
+    fn(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), meta.decode_blocks.data_ptr(),
+       meta.decode_ctx.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], cache_k.shape[2], q.shape[2],
+       cache_k.shape[1], meta.decode_blocks.shape[1], 0.125, q.shape[1] * q.shape[2])
+    return out
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_the_cpu_picks_the_avx512_kernel_where_it_may_and_the_avx2_one_otherwise(lib, cache_dtype):
+    """Where AVX512F is allowed, a head_dim that is a multiple of 16 goes through the AVX-512
+    kernel (its own sums, a few last bits off the AVX2 kernel's); capped, or at head_dim 72,
+    through the AVX2 one."""
+    from services.engine import cpu_kernels
+
+    if not lib.avx512_allowed:
+        pytest.skip("the CPU (or TOKENSERVE_CPU_ISA) has no AVX512F: decode attention runs on AVX2")
+    suffix = "_f16" if cache_dtype == torch.float16 else ""
+    avx2 = getattr(lib, f"paged_decode_attention{suffix}_avx2")
+    avx512 = getattr(lib, f"paged_decode_attention{suffix}_avx512")
+    meta = scattered_decodes([5, 17, 100, 33, 250], 16, 64)
+    try:
+        for d, wide in ((64, True), (128, True), (72, False)):
+            g = torch.Generator().manual_seed(d)
+            cache_k = torch.randn(64, 16, 3, d, generator=g).to(cache_dtype)
+            cache_v = torch.randn(64, 16, 3, d, generator=g).to(cache_dtype)
+            q = torch.randn(5, 9, d, generator=g) * 3
+            by_avx2, by_avx512 = (_kernel_call(fn, q, cache_k, cache_v, meta) for fn in (avx2, avx512))
+            for allow in (1, 0):
+                lib.fused_allow_avx512(allow)
+                got = cpu_kernels.paged_decode_attention(lib, q, cache_k, cache_v, meta.decode_blocks,
+                                                         meta.decode_ctx, 0.125)
+                assert torch.equal(got, by_avx512 if allow and wide else by_avx2), (d, allow)
+            if wide:
+                assert not torch.equal(by_avx512, by_avx2)  # the sums' order differs: a few last bits
+                torch.testing.assert_close(by_avx512, by_avx2, atol=2e-6, rtol=1e-5)
+    finally:
+        lib.fused_allow_avx512(1)
+
+
+def test_a_cap_below_avx512_keeps_decode_attention_on_avx2():
+    """TOKENSERVE_CPU_ISA=avx2 on an AVX-512 CPU: the loader forbids the AVX-512 kernel, so the
+    engine computes what an AVX2-only CPU computes."""
+    code = """
+import torch
+from services.engine import cpu_kernels
+from services.engine.attention import build_metadata
+lib = cpu_kernels.load()
+meta = build_metadata([(39, 1, [2, 5, 9])], 16, "cpu")
+g = torch.Generator().manual_seed(1)
+ck, cv = torch.randn(16, 16, 3, 64, generator=g).half(), torch.randn(16, 16, 3, 64, generator=g).half()
+q = torch.randn(1, 9, 64, generator=g)
+got = cpu_kernels.paged_decode_attention(lib, q, ck, cv, meta.decode_blocks, meta.decode_ctx, 0.125)
+ref = torch.empty(1, 9, 64)
+lib.paged_decode_attention_f16_avx2(q.data_ptr(), ck.data_ptr(), cv.data_ptr(), meta.decode_blocks.data_ptr(),
+    meta.decode_ctx.data_ptr(), ref.data_ptr(), 1, 9, 3, 64, 16, meta.decode_blocks.shape[1], 0.125, 9 * 64)
+print(lib.avx512_allowed, torch.equal(got, ref))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TOKENSERVE_CPU_ISA": "avx2"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["False", "True"]
 
 
 # -- prompt rows a block at a time (cpu_kernels.prompt_attention, AVX-512) -------------------
