@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import socket
 import sys
@@ -256,9 +257,10 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
             return
         servicer.info = model_info(config, engine.loop.core)
         servicer.load = load
+        frozen = _freeze_loaded_objects()
         await server.set_serving(True)
-        log.info("engine_ready", port=server.port, **{k: v for k, v in vars(servicer.info).items()
-                                                      if k != "eos_token_ids"})
+        log.info("engine_ready", port=server.port, gc_frozen_objects=frozen,
+                 **{k: v for k, v in vars(servicer.info).items() if k != "eos_token_ids"})
         if ready is not None:
             ready.set()
         if config.etcd_endpoints:
@@ -270,6 +272,17 @@ async def serve(config: EngineConfig, *, build=build_core, ready: asyncio.Event 
     finally:
         task.cancel()
     return 1 if failed else 0
+
+
+def _freeze_loaded_objects() -> int:
+    """Moves every object alive now (the model, torch, the libraries: ~200,000 of them) out of
+    the garbage collector's reach for good and returns how many. They live as long as the
+    process; unfrozen, each full collection walked them all: ~33 ms on a 2-core Xeon, a whole
+    64-stream decode step (or three one-stream tokens) stalled whenever one came due. Frozen,
+    collections walk only what requests allocate."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _start_usage(config: EngineConfig, engine: AsyncEngine):

@@ -41,6 +41,11 @@ async def test_full_queue_is_resource_exhausted_and_sigterm_drains_then_exits(tm
             info = await engine_pb2_grpc.EngineServiceStub(ch).GetInfo(pb.GetInfoRequest())
         assert info.max_context > 0
         assert json.loads(regs[0])["max_context"] == info.max_context
+        # What the model load left alive is out of the collector's walks for good (a full
+        # collection over it stalled a step by ~33 ms).
+        ready = [json.loads(line) for line in (tmp_path / "engine.log").read_text().splitlines()
+                 if '"engine_ready"' in line]
+        assert len(ready) == 1 and ready[0]["gc_frozen_objects"] > 50_000, ready
         async with grpc.aio.insecure_channel(proc.target) as ch:
             stub = engine_pb2_grpc.EngineServiceStub(ch)
             watch = stub.WatchLoad(pb.WatchLoadRequest())
