@@ -8,18 +8,18 @@
    them; the scales are applied once per block. Nothing about the weights is rounded (the
    bfloat16 dot-product kernel of gguf_linear.c rounds each weight to bfloat16 first).
 
-   Layout (`gguf_pack_il16`, a permutation of the file's bytes, the same size): for each group
-   of 16 rows and each block, the 16 rows' d (float16), then their m (Q4_1), then 16 pairs of
-   the block's elements (2p, 2p + 1): 32 values, value v being row v / 2's element 2p + v % 2,
-   as 16 bytes of nibbles (value v in byte v % 16, low half for v < 16) or 32 int8 (Q8_0).
-   A pair widens to one vector of 32 bfloat16 (a lookup by nibble, or int8 converted) whose
-   16 lanes are the 16 rows, so VDPBF16PS with the input's pair broadcast adds both products
-   to each row's lane (its memory operand broadcast: one instruction a product pair): no
-   per-row horizontal sum, and a block's 16 rows cost 16 lookups where dequantizing them one
-   by one cost 16 x 11 instructions. All linears of a SmolLM2 step, 2-core Zen 4, against
-   gguf_linear.c's bfloat16 kernel in the same process: one row 9.1 -> 4.4 ms (the memory's
-   pace: 96 MB); 8 rows 13.8 -> 7.3; 16 rows 18.9 -> 13.2; 32 rows 29.9 -> 25.0; 64 rows
-   53.4 -> 49.7 (bound by VDPBF16PS); 96 rows 73.3 -> 72.8.
+   Layout (`gguf_pack_il16`, a permutation of the file's numbers, the same size): for each
+   group of 16 rows and each block, the 16 rows' d (float16), then their m (Q4_1), then 16
+   pairs of the block's elements (2p, 2p + 1): 32 values, value v being row v / 2's element
+   2p + v % 2, as nibbles, four pairs to 64 bytes (nibble_at), or 32 int8 a pair (Q8_0).
+   A pair widens to one vector of 32 bfloat16 (byte lookups by nibble, four pairs at a time:
+   quad_q; or int8 converted) whose 16 lanes are the 16 rows, so VDPBF16PS with the input's
+   pair broadcast adds both products to each row's lane (its memory operand broadcast: one
+   instruction a product pair): no per-row horizontal sum, and a block's 16 rows cost 16
+   lookups where dequantizing them one by one cost 16 x 11 instructions. All linears of a
+   SmolLM2 step, 2-core Zen 4, against gguf_linear.c's bfloat16 kernel in the same process:
+   one row 9.1 -> 4.4 ms (the memory's pace: 96 MB); 8 rows 13.8 -> 7.3; 16 rows 18.9 ->
+   13.2; 32 rows 29.9 -> 25.0; 64 rows 53.4 -> 49.7 (bound by VDPBF16PS); 96 rows 73.3 -> 72.8.
 
    y[m, n] is, in every path, one chain per block (the pairs in order) then d and m applied
    in block order: a row's result is bit-identical whatever M is and whatever else is in the
@@ -53,6 +53,12 @@ static inline int file_q(int fmt, const uint8_t *blk, int e) {
     return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
 }
 
+/* 4-bit formats: the byte of a unit's pairs holding value v (0..31) of pair p (0..15), in the
+   low half for pairs 4Q and 4Q + 1 of quad Q, the high half for 4Q + 2 and 4Q + 3: quad Q is
+   64 bytes, its 16-byte lane k holding values 8k .. 8k + 7 of pairs 4Q and 4Q + 2 in bytes
+   0..7 and of pairs 4Q + 1 and 4Q + 3 in bytes 8..15 (see quad_q). */
+static inline int nibble_at(int p, int v) { return (p / 4) * 64 + (v / 8) * 16 + (p & 1) * 8 + v % 8; }
+
 /* w: N rows of K weights in the file's blocks -> out (same size), interleaved as above.
    Returns 0, or -1 for another format, N not a multiple of 16 or K of 32. */
 int gguf_pack_il16(int fmt, const uint8_t *w, uint8_t *out, int64_t N, int64_t K) {
@@ -72,7 +78,7 @@ int gguf_pack_il16(int fmt, const uint8_t *w, uint8_t *out, int64_t N, int64_t K
                 for (int v = 0; v < 32; v++) {
                     int q = file_q(fmt, w + (16 * g + v / 2) * rb + b * fb, 2 * p + v % 2);
                     if (fmt == FMT_Q8_0) pairs[p * 32 + v] = (uint8_t)(int8_t)q;
-                    else pairs[p * 16 + v % 16] |= (uint8_t)(v < 16 ? q : q << 4);
+                    else pairs[nibble_at(p, v)] |= (uint8_t)(q << (p & 2 ? 4 : 0));
                 }
         }
     return 0;
@@ -99,22 +105,43 @@ void gguf_il16_prefetch_next(const char *const *rows, int64_t n, int64_t lines) 
     next_side.n = rows && lines > 0 ? n : 0;
 }
 
-/* bfloat16 of 0..15, looked up by nibble */
-static const uint16_t BF16_NIBBLE[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-                                         0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+/* Q8_0 pair p of a unit as 32 bfloat16: lane l = row l's elements 2p and 2p + 1 */
+static inline __attribute__((always_inline)) __m512bh pair_q8(const uint8_t *pairs, int p) {
+    const uint8_t *s = pairs + p * 32;
+    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)s)));
+    __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(s + 16))));
+    return _mm512_cvtne2ps_pbh(c, a);  /* |q| <= 128: exact */
+}
 
-/* pair p of a unit as 32 bfloat16: lane l = row l's elements 2p and 2p + 1 */
-static inline __attribute__((always_inline)) __m512bh pair_q(int fmt, const uint8_t *pairs, int p,
-                                                             __m512i lut) {
+/* Pairs 4Q .. 4Q + 3 of a unit as 32 bfloat16 each (lane l = row l's elements 2p and 2p + 1):
+   Q8_0 by pair_q8; the 4-bit formats' quad Q (nibble_at) in one 64-byte load, its nibbles to
+   the bfloat16 numbers' low and high bytes by 16-entry byte lookups (VPSHUFB), the two
+   interleaved into each pair's 32 values in order: 11 instructions for four pairs, where
+   widening a pair's 16 bytes and looking up its 32 nibbles as words took ~6 a pair, most of
+   them on the one shuffle port. The same numbers; all linears of a SmolLM2 step on the AMX
+   Xeon: one row 4.47 -> 3.75 ms, 16 rows 6.60 -> 6.00, 64 rows 25.2 -> 25.0; VDPBF16PS
+   (no AMX) 8 rows 13.2 -> 12.3, 16 rows 25.5 -> 23.6. */
+static const uint8_t BF16_NIBBLE_LO[16] = {0x00, 0x80, 0x00, 0x40, 0x80, 0xA0, 0xC0, 0xE0,
+                                          0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70};
+static const uint8_t BF16_NIBBLE_HI[16] = {0x00, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
+                                          0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41};
+static inline __attribute__((always_inline)) void quad_q(int fmt, const uint8_t *pairs, int Q,
+                                                        __m512bh out[4]) {
     if (fmt == FMT_Q8_0) {
-        const uint8_t *s = pairs + p * 32;
-        __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)s)));
-        __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(s + 16))));
-        return _mm512_cvtne2ps_pbh(c, a);  /* |q| <= 128: exact */
+        for (int i = 0; i < 4; i++) out[i] = pair_q8(pairs, 4 * Q + i);
+        return;
     }
-    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pairs + p * 16)));
-    __m256i lo = _mm256_and_si256(b, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(b, 4);
-    return (__m512bh)_mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), lut);
+    const __m512i tlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)BF16_NIBBLE_LO));
+    const __m512i thi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)BF16_NIBBLE_HI));
+    const __m512i mask = _mm512_set1_epi8(15);
+    __m512i v = _mm512_loadu_si512((const void *)(pairs + 64 * Q));
+    __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    __m512i lol = _mm512_shuffle_epi8(tlo, lo), loh = _mm512_shuffle_epi8(thi, lo);
+    __m512i hil = _mm512_shuffle_epi8(tlo, hi), hih = _mm512_shuffle_epi8(thi, hi);
+    out[0] = (__m512bh)_mm512_unpacklo_epi8(lol, loh);
+    out[1] = (__m512bh)_mm512_unpackhi_epi8(lol, loh);
+    out[2] = (__m512bh)_mm512_unpacklo_epi8(hil, hih);
+    out[3] = (__m512bh)_mm512_unpackhi_epi8(hil, hih);
 }
 
 /* Input rows j0 .. j0 + MR - 1 against the 16 rows of group g. xb: the inputs in bfloat16
@@ -123,7 +150,6 @@ static inline __attribute__((always_inline)) __m512bh pair_q(int fmt, const uint
 static inline __attribute__((always_inline)) void tile_##MR(int fmt, const uint16_t *xb,             \
         const float *xs, const uint8_t *pk, float *y, int64_t j0, int64_t g, int64_t N, int64_t K,    \
         const struct side *sd, int64_t p0, int64_t p1) {                                              \
-    __m512i lut = _mm512_loadu_si512((const void *)BF16_NIBBLE);                                      \
     int64_t nb = K / QK, ub = unit_bytes(fmt);                                                        \
     const uint8_t *unit = pk + g * nb * ub;                                                           \
     __m512 acc[MR];                                                                                   \
@@ -139,11 +165,13 @@ static inline __attribute__((always_inline)) void tile_##MR(int fmt, const uint1
                  : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));  /* Q4_0: d * (q - 8) */                 \
         __m512 part[MR];                                                                              \
         UNROLL for (int j = 0; j < MR; j++) part[j] = _mm512_setzero_ps();                            \
-        UNROLL for (int p = 0; p < 16; p++) {                                                         \
-            __m512bh wv = pair_q(fmt, unit + pairs_at(fmt), p, lut);                                  \
-            UNROLL for (int j = 0; j < MR; j++) {                                                     \
-                part[j] = dp_bcast(part[j], wv, xb + (j0 + j) * K + b * QK + 2 * p);                  \
-            }                                                                                         \
+        UNROLL for (int Q = 0; Q < 4; Q++) {                                                          \
+            __m512bh wq[4];                                                                           \
+            quad_q(fmt, unit + pairs_at(fmt), Q, wq);                                                 \
+            UNROLL for (int i = 0; i < 4; i++)                                                        \
+                UNROLL for (int j = 0; j < MR; j++)                                                   \
+                    part[j] = dp_bcast(part[j], wq[i],                                                \
+                                       xb + (j0 + j) * K + b * QK + 2 * (4 * Q + i));                 \
         }                                                                                             \
         UNROLL for (int j = 0; j < MR; j++) {                                                         \
             acc[j] = _mm512_fmadd_ps(d, part[j], acc[j]);                                             \
@@ -227,7 +255,7 @@ int gguf_linear_il16(int fmt, const float *x, const uint8_t *pk, float *y, int64
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* AMX (this source built again with -mamx-tile -mamx-bf16 where the CPU has AMX-BF16; then
    gguf_kernels.py calls gguf_linear_il16_amx instead of gguf_linear_il16): the same
-   arithmetic as above, on tiles. A unit's 16 pairs of integers q (pair_q) are exactly an AMX
+   arithmetic as above, on tiles. A unit's 16 pairs of integers q (quad_q) are exactly an AMX
    B tile (16 pairs of k x 16 weight rows), so a unit's sums of q * x for 16 input rows are one
    TDPBF16PS (A: 16 input rows of the bfloat16 input, read in place), whose C tile is then
    scaled into the rows' float32 sums as above: acc += d * part (+ m * the input block's sum).
@@ -296,12 +324,21 @@ static inline __attribute__((always_inline)) void amx_scale(int fmt, const uint8
     }
 }
 
+/* A unit's 16 pairs of q as one B tile at bt (1 KB, aligned). */
+static inline __attribute__((always_inline)) void unit_tile(int fmt, const uint8_t *unit, uint16_t *bt) {
+    UNROLL for (int Q = 0; Q < 4; Q++) {
+        __m512bh wq[4];
+        quad_q(fmt, unit + pairs_at(fmt), Q, wq);
+        UNROLL for (int i = 0; i < 4; i++)
+            _mm512_store_si512((void *)(bt + (4 * Q + i) * 32), (__m512i)wq[i]);
+    }
+}
+
 /* Group g: its units' q converted once into bt (B tiles), then each input tile of up to 16
    rows: per unit one TDPBF16PS and the scaling of its part, in unit order, the rows' sums in
    registers. cb: two C tiles' room. */
 static void agroup_amx(int fmt, const uint16_t *xb, const float *sx, const uint8_t *pk, float *y,
                        int64_t M, int64_t g, int64_t N, int64_t K, uint16_t *bt, float *cb) {
-    __m512i lut = _mm512_loadu_si512((const void *)BF16_NIBBLE);
     int64_t nb = K / QK, ub = unit_bytes(fmt), xs = K * 2;
     const uint8_t *units = pk + g * nb * ub;
     if (M <= 16) {
@@ -315,9 +352,7 @@ static void agroup_amx(int fmt, const uint16_t *xb, const float *sx, const uint8
                 const uint8_t *unit = units + u * ub;
                 for (int64_t o = 0; o < ub; o += 64)
                     _mm_prefetch((const char *)(unit + 4 * ub + o), _MM_HINT_T0);
-                UNROLL for (int p = 0; p < 16; p++)
-                    _mm512_store_si512((void *)(bt + (u & 3) * 512 + p * 32),
-                                       (__m512i)pair_q(fmt, unit + pairs_at(fmt), p, lut));
+                unit_tile(fmt, unit, bt + (u & 3) * 512);
             }
             int64_t u = b - 2;
             if (u < 0) continue;
@@ -335,8 +370,7 @@ static void agroup_amx(int fmt, const uint16_t *xb, const float *sx, const uint8
         const uint8_t *unit = units + b * ub;
         for (int64_t o = 0; o < ub; o += 64)
             _mm_prefetch((const char *)(unit + 4 * ub + o), _MM_HINT_T0);
-        UNROLL for (int p = 0; p < 16; p++)
-            _mm512_store_si512((void *)(bt + b * 512 + p * 32), (__m512i)pair_q(fmt, unit + pairs_at(fmt), p, lut));
+        unit_tile(fmt, unit, bt + b * 512);
     }
     /* Each input tile of 16 rows (xb's rows are zero-padded to 16s; rows past M are not
        kept): unit b + 1 multiplied on the other tile set while unit b's part is scaled. */
