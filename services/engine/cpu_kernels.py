@@ -280,7 +280,7 @@ class _DLLinear(ctypes.Structure):
 class _DLLayer(ctypes.Structure):
     _fields_ = [("qkv", _DLLinear), ("o", _DLLinear), ("gate_up", _DLLinear), ("down", _DLLinear),
                 ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
-                ("cache_k", ctypes.c_void_p), ("cache_v", ctypes.c_void_p)]
+                ("cache_k", ctypes.c_void_p), ("cache_v", ctypes.c_void_p), ("swiglu", _DLLinear)]
 
 
 class _DLModel(ctypes.Structure):
@@ -302,14 +302,16 @@ class DecodeLayers:
                  heads: int, kv_heads: int, head_dim: int, eps: float, scale: float,
                  prefetch_next: int | None = None):
         """layers: (attn_norm, ffn_norm) per layer; linears: per layer the four
-        `decode_kernel()` tuples (qkv, o, gate_up, down); prefetch_next: the address of
+        `decode_kernel()` tuples (qkv, o, gate_up, down), and optionally a fifth: gate_up's
+        `decode_swiglu_kernel()` (None: gate_up then silu_mul); prefetch_next: the address of
         gguf_interleaved.c's gguf_il16_prefetch_next where the Q/K/V linears are that kernel."""
         self.lib, self.num_layers = lib, len(layers)
         self._keep = (layers, kv_k, kv_v, cos, sin)
         arr = (_DLLayer * len(layers))()
         for i, ((attn_norm, ffn_norm), lins) in enumerate(zip(layers, linears)):
-            arr[i] = _DLLayer(*(_DLLinear(*lin) for lin in lins), attn_norm.data_ptr(), ffn_norm.data_ptr(),
-                            kv_k[i].data_ptr(), kv_v[i].data_ptr())
+            swiglu = lins[4] if len(lins) > 4 and lins[4] is not None else (None, 0, None, 0, 0)
+            arr[i] = _DLLayer(*(_DLLinear(*lin) for lin in lins[:4]), attn_norm.data_ptr(), ffn_norm.data_ptr(),
+                              kv_k[i].data_ptr(), kv_v[i].data_ptr(), _DLLinear(*swiglu))
         self._layers = arr
         self.cache_ptr = kv_k[0].data_ptr()
         self._model = _DLModel(arr, len(layers), hidden, heads, kv_heads, head_dim, kv_k[0].shape[1],

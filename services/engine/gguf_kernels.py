@@ -110,8 +110,9 @@ def load_interleaved(cache_dir: Path | None = None) -> ctypes.CDLL | None:
             lib.gguf_pack_il16.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
             lib.gguf_linear_il16.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
             if amx:
-                lib.gguf_linear_il16_amx.restype = ctypes.c_int
-                lib.gguf_linear_il16_amx.argtypes = lib.gguf_linear_il16.argtypes
+                for name in ("gguf_linear_il16_amx", "gguf_linear_il16_amx_swiglu"):
+                    getattr(lib, name).restype = ctypes.c_int
+                    getattr(lib, name).argtypes = lib.gguf_linear_il16.argtypes
                 lib.bf16_pack_tiles.restype = lib.bf16_gemm_amx.restype = ctypes.c_int
                 lib.bf16_pack_tiles.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
                 lib.bf16_gemm_amx.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -224,6 +225,19 @@ def pack_interleaved(lib: ctypes.CDLL, w: GGUFWeight) -> torch.Tensor | None:
     if lib.gguf_pack_il16(FORMATS[w.kind][0], w.blocks.data_ptr(), out.data_ptr(), *w.shape) != 0:
         raise ValueError(f"gguf_pack_il16 rejected a {w.kind} {w.shape} matrix")
     return out
+
+
+def linear_interleaved_swiglu(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for w a [gate; up] matrix (N rows, N % 32 == 0) on AMX
+    tiles (where interleaved_amx(lib)): float32 [M, N / 2], the same bits as
+    `linear_interleaved(..., amx=True)` then cpu_kernels.silu_mul."""
+    x = x.contiguous()
+    n, k = w.shape
+    y = torch.empty((x.shape[0], n // 2), dtype=torch.float32)
+    if lib.gguf_linear_il16_amx_swiglu(FORMATS[w.kind][0], x.data_ptr(), packed.data_ptr(), y.data_ptr(),
+                                       x.shape[0], n, k) != 0:
+        raise ValueError(f"gguf_linear_il16_amx_swiglu rejected a {w.kind} {n}x{k} matrix")
+    return y
 
 
 def pack_bf16_tiles(lib: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor | None:

@@ -157,7 +157,7 @@ class LlamaModel:
         self._c_plan = cpu_kernels.DecodeLayers(
             self.cpu_kernels, [(layer.attn_norm, layer.ffn_norm) for layer in self.layers],
             [[lin.decode_kernel() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-             for layer in self.layers],
+             + [layer.gate_up.decode_swiglu_kernel()] for layer in self.layers],
             kv.k, kv.v, self.rope_cos, self.rope_sin, hidden=c.hidden_size, heads=c.num_heads,
             kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_eps, scale=self.scale,
             prefetch_next=self.layers[0].qkv.prefetch_next_kernel() if self.prefetch_kv else None)

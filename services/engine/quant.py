@@ -178,6 +178,16 @@ class GGUFLinear:
             w = self.weight.blocks
         return ctypes.cast(fn, ctypes.c_void_p).value, code, w.data_ptr(), n, k
 
+    def decode_swiglu_kernel(self) -> tuple[int, int, int, int, int] | None:
+        """For a [gate; up] linear: the kernel that gives decode rows silu(gate) * up in one
+        pass (gguf_linear_il16_amx_swiglu: the same bits as `decode_kernel()` then silu_mul),
+        as decode_kernel's tuple; None where its rows do not take AMX tiles."""
+        n, k = self.weight.shape
+        if self._interleaved is None or not self._amx or n % 32:
+            return None
+        fn = ctypes.cast(self._il.gguf_linear_il16_amx_swiglu, ctypes.c_void_p).value
+        return fn, gguf_kernels.FORMATS[self.weight.kind][0], self._interleaved.data_ptr(), n, k
+
     @property
     def decode_row_tile(self) -> int:
         """Decode rows multiplied as one unit: 16 on AMX tiles (up to 16 rows cost alike), else

@@ -722,6 +722,9 @@ struct dl_layer {
     struct dl_linear qkv, o, gate_up, down;
     const float *attn_norm, *ffn_norm;
     void *cache_k, *cache_v;  /* [num_blocks, block_size, Hkv, D], float16 or float32 */
+    /* gate_up's multiply and silu_mul in one call (the same bits), where its kernel has one:
+       fn 0 otherwise */
+    struct dl_linear swiglu;
 };
 struct dl_model {
     const struct dl_layer *layers;
@@ -786,8 +789,12 @@ int decode_layers(const struct dl_model *m, int64_t first, int64_t last, float *
                                    m->block_size, max_nb, scale, width);
         if ((rc = dl_mm(&L->o, attn, delta, T))) break;
         add_rmsnorm(x, delta, 0, L->ffn_norm, h, 0, T, E, eps);
-        if ((rc = dl_mm(&L->gate_up, h, gu, T))) break;
-        silu_mul(gu, act, T, inter, 0);
+        if (L->swiglu.fn) {
+            if ((rc = dl_mm(&L->swiglu, h, act, T))) break;
+        } else {
+            if ((rc = dl_mm(&L->gate_up, h, gu, T))) break;
+            silu_mul(gu, act, T, inter, 0);
+        }
         if ((rc = dl_mm(&L->down, act, delta, T))) break;
         if (i + 1 < m->num_layers)
             add_rmsnorm(x, delta, 0, m->layers[i + 1].attn_norm, h, 0, T, E, eps);

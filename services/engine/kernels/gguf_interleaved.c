@@ -336,9 +336,9 @@ static inline __attribute__((always_inline)) void unit_tile(int fmt, const uint8
 
 /* Group g: its units' q converted once into bt (B tiles), then each input tile of up to 16
    rows: per unit one TDPBF16PS and the scaling of its part, in unit order, the rows' sums in
-   registers. cb: two C tiles' room. */
-static void agroup_amx(int fmt, const uint16_t *xb, const float *sx, const uint8_t *pk, float *y,
-                       int64_t M, int64_t g, int64_t N, int64_t K, uint16_t *bt, float *cb) {
+   registers, into yg (its 16 columns: yg[i * ldy + c] for input row i). cb: two C tiles' room. */
+static void agroup_amx(int fmt, const uint16_t *xb, const float *sx, const uint8_t *pk, float *yg,
+                       int64_t ldy, int64_t M, int64_t g, int64_t K, uint16_t *bt, float *cb) {
     int64_t nb = K / QK, ub = unit_bytes(fmt), xs = K * 2;
     const uint8_t *units = pk + g * nb * ub;
     if (M <= 16) {
@@ -363,7 +363,7 @@ static void agroup_amx(int fmt, const uint16_t *xb, const float *sx, const uint8
             if (two) amx_scale(fmt, units + (u + 1) * ub, cb + 256, sx, nb, u + 1, 0, M, acc);
         }
         UNROLL for (int i = 0; i < 16; i++)
-            if (i < M) _mm512_storeu_ps(y + i * N + 16 * g, acc[i]);
+            if (i < M) _mm512_storeu_ps(yg + i * ldy, acc[i]);
         return;
     }
     for (int64_t b = 0; b < nb; b++) {
@@ -386,7 +386,7 @@ static void agroup_amx(int fmt, const uint16_t *xb, const float *sx, const uint8
             amx_scale(fmt, units + b * ub, cb + (b & 1) * 256, sx, nb, b, t, rows, acc);
         }
         UNROLL for (int i = 0; i < 16; i++)
-            if (i < rows) _mm512_storeu_ps(y + (t + i) * N + 16 * g, acc[i]);
+            if (i < rows) _mm512_storeu_ps(yg + (t + i) * ldy, acc[i]);
     }
 }
 
@@ -404,11 +404,17 @@ static void *amx_scratch(size_t bytes) {
 }
 
 /* As gguf_linear_il16, on AMX tiles (gguf_il16_amx_init first). Rows handed to
-   gguf_il16_prefetch_next are dropped (gguf_kernels.py hands none here). */
-int gguf_linear_il16_amx(int fmt, const float *x, const uint8_t *pk, float *y, int64_t M, int64_t N,
-                         int64_t K) {
+   gguf_il16_prefetch_next are dropped (gguf_kernels.py hands none here). swiglu: w is [gate;
+   up] (N / 2 rows each, N % 32 == 0) and y [M, N / 2] = silu(gate) * up: a work item is gate
+   group g with up group g + N / 32, each summed exactly as alone, their 16 columns for all M
+   rows kept in scratch and combined by silu_mul16 (silu_mul's arithmetic on the same numbers:
+   the same bits as this linear, then silu_mul), so the decode step neither writes the [M, N]
+   gate/up output nor reads it back, nor waits on another parallel region. */
+static int il16_amx_run(int fmt, const float *x, const uint8_t *pk, float *y, int64_t M, int64_t N,
+                        int64_t K, int swiglu) {
     next_side.n = 0;
-    if (!(fmt == FMT_Q4_1 || fmt == FMT_Q4_0 || fmt == FMT_Q8_0) || N % 16 || K % QK) return -1;
+    if (!(fmt == FMT_Q4_1 || fmt == FMT_Q4_0 || fmt == FMT_Q8_0) || N % (swiglu ? 32 : 16) || K % QK)
+        return -1;
     if (M == 0) return 0;
     int64_t nb = K / QK, Mp = M > 16 ? (M + 15) / 16 * 16 : M;  /* input tiles of 16 rows past 16 */
     uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * Mp * K);
@@ -420,26 +426,51 @@ int gguf_linear_il16_amx(int fmt, const float *x, const uint8_t *pk, float *y, i
     }
     memset(xb + M * K, 0, sizeof(uint16_t) * (Mp - M) * K);
     int rc = 0;
+    int64_t half = N / 2, nbt = nb > 4 ? nb : 4;
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < M * K; i += QK) sx[i / QK] = input_block(x + i, xb + i);
         amx_configure(M);
-        /* every unit's B tile, and at least the four of agroup_amx's ring; two C tiles */
-        uint16_t *bt = amx_scratch(sizeof(uint16_t) * (nb > 4 ? nb : 4) * 512 + sizeof(float) * 512);
-        float *cb = bt ? (float *)(bt + (nb > 4 ? nb : 4) * 512) : 0;
+        /* every unit's B tile, and at least the four of agroup_amx's ring; two C tiles; with
+           swiglu the gate's and the up's 16 columns of every row */
+        uint16_t *bt = amx_scratch(sizeof(uint16_t) * nbt * 512 + sizeof(float) * (512 + (swiglu ? 32 * M : 0)));
+        float *cb = bt ? (float *)(bt + nbt * 512) : 0, *gs = cb ? cb + 512 : 0, *us = gs ? gs + 16 * M : 0;
         if (!bt) {
             #pragma omp atomic write
             rc = -2;
         }
-        #pragma omp for schedule(guided)
-        for (int64_t g = 0; g < N / 16; g++)
-            if (bt && cb) agroup_amx(fmt, xb, sx, pk, y, M, g, N, K, bt, cb);
+        if (swiglu) {
+            #pragma omp for schedule(guided)
+            for (int64_t g = 0; g < N / 32; g++) {
+                if (!bt) continue;
+                agroup_amx(fmt, xb, sx, pk, gs, 16, M, g, K, bt, cb);
+                agroup_amx(fmt, xb, sx, pk, us, 16, M, g + N / 32, K, bt, cb);
+                for (int64_t i = 0; i < M; i++)
+                    _mm512_storeu_ps(y + i * half + 16 * g,
+                                     silu_mul16(_mm512_loadu_ps(gs + 16 * i), _mm512_loadu_ps(us + 16 * i)));
+            }
+        } else {
+            #pragma omp for schedule(guided)
+            for (int64_t g = 0; g < N / 16; g++)
+                if (bt) agroup_amx(fmt, xb, sx, pk, y + 16 * g, N, M, g, K, bt, cb);
+        }
         _tile_release();
     }
     free(sx);
     free(xb);
     return rc;
+}
+
+int gguf_linear_il16_amx(int fmt, const float *x, const uint8_t *pk, float *y, int64_t M, int64_t N,
+                         int64_t K) {
+    return il16_amx_run(fmt, x, pk, y, M, N, K, 0);
+}
+
+/* y float32 [M, N / 2] = silu(x @ gate.T) * (x @ up.T) for pk a [gate; up] matrix of N rows */
+int gguf_linear_il16_amx_swiglu(int fmt, const float *x, const uint8_t *pk, float *y, int64_t M,
+                                int64_t N, int64_t K) {
+    return il16_amx_run(fmt, x, pk, y, M, N, K, 1);
 }
 
 /* Prompt rows in bfloat16 on AMX (GGUFLinear's bfloat16 copy of the weights, where this build

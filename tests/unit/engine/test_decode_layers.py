@@ -73,6 +73,10 @@ def test_the_interleaved_kernel_is_what_the_c_layers_call(lib, tmp_path):
     decode_step(runner, [], c_path=True)
     assert runner.model._c_plan._model.prefetch_next == (None if amx else ctypes.cast(
         il.gguf_il16_prefetch_next, ctypes.c_void_p).value)
+    # on AMX tiles the MLP's gate/up multiply gives silu(gate) * up itself (no silu_mul pass)
+    swiglu = runner.model._c_plan._layers[0].swiglu
+    assert swiglu.fn == (ctypes.cast(il.gguf_linear_il16_amx_swiglu, ctypes.c_void_p).value if amx else None)
+    assert swiglu.w == (runner.model.layers[0].gate_up._interleaved.data_ptr() if amx else None)
 
 
 def test_rows_handed_to_the_interleaved_kernel_change_nothing_it_computes(tmp_path):

@@ -219,6 +219,23 @@ def test_an_amx_rows_result_does_not_depend_on_the_batch(amxlib, kind):
         assert torch.equal(gguf_kernels.linear_interleaved(amxlib, x[rows], packed, w, amx=True), full[rows])
 
 
+@pytest.mark.parametrize("kind", gguf_kernels.INTERLEAVED_FORMATS)
+def test_amx_decode_swiglu_gives_silu_mul_of_the_gate_up_rows_bit_for_bit(amxlib, kind):
+    """A [gate; up] matrix's decode rows in one pass give what its multiply then silu_mul give,
+    bit for bit, for one, a partial, one whole and several tiles of input rows."""
+    fused = cpu_kernels.load()
+    w = blocks(kind, 96, 128, seed=8)  # gate: rows 0..47, up: 48..95
+    packed = gguf_kernels.pack_interleaved(amxlib, w)
+    x = torch.randn(64, 128) * 2
+    for m in (1, 5, 16, 17, 40, 64):
+        want = cpu_kernels.silu_mul(fused, gguf_kernels.linear_interleaved(amxlib, x[:m], packed, w, amx=True))
+        got = gguf_kernels.linear_interleaved_swiglu(amxlib, x[:m], packed, w)
+        assert got.shape == (m, 48) and torch.equal(got, want), m
+    with pytest.raises(ValueError, match="rejected"):  # gate and up must be whole groups of 16
+        odd = blocks(kind, 48, 128, seed=9)
+        gguf_kernels.linear_interleaved_swiglu(amxlib, x[:2], gguf_kernels.pack_interleaved(amxlib, odd), odd)
+
+
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 64), (64, 576), (96, 1536)])
 def test_amx_bfloat16_gemm_sums_bfloat16_products_in_float32_whatever_the_batch(amxlib, n, k):
     """Prompt rows' multiply on AMX tiles (bf16_gemm_amx): x and w as bfloat16, exact products,
