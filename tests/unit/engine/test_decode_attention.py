@@ -164,7 +164,7 @@ def test_the_cpu_picks_the_avx512_kernel_where_it_may_and_the_avx2_one_otherwise
                 assert not torch.equal(by_avx512, by_avx2)  # the sums' order differs: a few last bits
                 torch.testing.assert_close(by_avx512, by_avx2, atol=2e-6, rtol=1e-5)
     finally:
-        lib.fused_allow_avx512(1)
+        lib.fused_allow_avx512(int(lib.avx512_allowed))
 
 
 def test_a_cap_below_avx512_keeps_decode_attention_on_avx2():
