@@ -11,9 +11,15 @@
 /* Work items are handed out dynamically everywhere: on a shared 2-core machine, when one
    thread is preempted the other takes over the items it has not started, instead of
    waiting for a static half of the work (measured: a 16-row decode step with another
-   process waking every 2 ms went from 1.6x to 1.2x its quiet time). Element-wise kernels
-   stay on one thread below this size (a parallel region costs more than the work). */
-#define PARALLEL_MIN_ELEMS (1 << 16)
+   process waking every 2 ms went from 1.6x to 1.2x its quiet time). Row-wise kernels hand
+   out runs of ROW_RUN rows: rows one by one had the two cores alternate rows, each pulling
+   in the lines the other writes (a 64 x 64-token prefill on the 2-core AMX Xeon: add_rmsnorm
+   ~70 -> ~40 ms, rope_write_kv ~36 -> ~15 ms). Element-wise kernels stay on one thread below
+   PARALLEL_MIN_ELEMS (a parallel region costs more than the work): a 64-row decode step's
+   norms and RoPE are above it (in paired rounds that step took 0.95-0.96x the time with them
+   on both threads), a 16-row step's below. */
+#define PARALLEL_MIN_ELEMS (1 << 14)
+#define ROW_RUN 16
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -438,7 +444,7 @@ PAGED_DECODE_ATTENTION(paged_decode_attention_f16_avx2, uint16_t, LOAD_F16)
    lanes (the same bits; a NaN stays a NaN), rounding to bfloat16 in one instruction instead of
    ten; 1,024 x 1,536 on a 2-core Zen 4: 0.67 -> 0.33 ms in bfloat16, 0.47 -> 0.35 in float32. */
 void silu_mul_avx2(const void *gu, void *out, int64_t M, int64_t I, int bf16) {
-    #pragma omp parallel for schedule(static) if (M * I >= PARALLEL_MIN_ELEMS)
+    #pragma omp parallel for schedule(dynamic, ROW_RUN) if (M * I >= PARALLEL_MIN_ELEMS)
     for (int64_t m = 0; m < M; m++) {
         int64_t g = m * 2 * I, u = g + I, o = m * I;
         int64_t k = 0;
@@ -467,7 +473,7 @@ TARGET_AVX512BF16 static inline __m512 load16(const void *row, int64_t i, int bf
 }
 
 TARGET_AVX512BF16 void silu_mul_avx512(const void *gu, void *out, int64_t M, int64_t I, int bf16) {
-    #pragma omp parallel for schedule(static) if (M * I >= PARALLEL_MIN_ELEMS)
+    #pragma omp parallel for schedule(dynamic, ROW_RUN) if (M * I >= PARALLEL_MIN_ELEMS)
     for (int64_t m = 0; m < M; m++) {
         int64_t g = m * 2 * I, u = g + I, o = m * I;
         int64_t k = 0;
@@ -642,11 +648,7 @@ void argmax_rows(const float *x, int64_t *out, int64_t M, int64_t V) {
    (rounded from the float32 result). */
 void add_rmsnorm(float *x, const void *delta, int delta_bf16, const float *w, void *out, int out_bf16,
                  int64_t M, int64_t K, float eps) {
-    /* static: each thread streams one run of rows. Rows handed out one by one (dynamic) had
-       the two cores alternate rows, each pulling in lines the other writes; a 64 x 64-token
-       prefill on the 2-core AMX Xeon spent ~70 ms in this call that way, ~40 ms now (and
-       rope_write_kv and silu_mul likewise: rope ~36 -> ~15 ms). */
-    #pragma omp parallel for schedule(static) if (M * K >= PARALLEL_MIN_ELEMS)
+    #pragma omp parallel for schedule(dynamic, ROW_RUN) if (M * K >= PARALLEL_MIN_ELEMS)
     for (int64_t m = 0; m < M; m++) {
         float *xr = x + m * K;
         __m256 ss = _mm256_setzero_ps();
@@ -680,7 +682,7 @@ void rope_write_kv(float *qkv, const int64_t *pos, const float *cos, const float
                    const int64_t *slots, void *kc, void *vc, int f16, int64_t T, int64_t H,
                    int64_t Hkv, int64_t D) {
     int64_t width = (H + 2 * Hkv) * D, half = D / 2, kv = Hkv * D;
-    #pragma omp parallel for schedule(static) if (T * width >= PARALLEL_MIN_ELEMS)
+    #pragma omp parallel for schedule(dynamic, ROW_RUN) if (T * width >= PARALLEL_MIN_ELEMS)
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * width;
         const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
