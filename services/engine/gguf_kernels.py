@@ -110,7 +110,7 @@ def load_interleaved(cache_dir: Path | None = None) -> ctypes.CDLL | None:
             lib.gguf_pack_il16.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
             lib.gguf_linear_il16.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
             if amx:
-                for name in ("gguf_linear_il16_amx", "gguf_linear_il16_amx_swiglu"):
+                for name in ("gguf_linear_il16_amx", "gguf_linear_il16_amx_swiglu", "gguf_argmax_il16_amx"):
                     getattr(lib, name).restype = ctypes.c_int
                     getattr(lib, name).argtypes = lib.gguf_linear_il16.argtypes
                 lib.bf16_pack_tiles.restype = lib.bf16_gemm_amx.restype = ctypes.c_int
@@ -238,6 +238,20 @@ def linear_interleaved_swiglu(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.T
                                        x.shape[0], n, k) != 0:
         raise ValueError(f"gguf_linear_il16_amx_swiglu rejected a {w.kind} {n}x{k} matrix")
     return y
+
+
+def argmax_interleaved(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """Each row's argmax over x @ w.T on AMX tiles (where interleaved_amx(lib)), without the
+    product: int64 [M], the index cpu_kernels.argmax_rows gives over
+    `linear_interleaved(..., amx=True)` (the same sums; the first of equal values, a NaN the
+    largest)."""
+    x = x.contiguous()
+    n, k = w.shape
+    ids = torch.empty(x.shape[0], dtype=torch.int64)
+    if lib.gguf_argmax_il16_amx(FORMATS[w.kind][0], x.data_ptr(), packed.data_ptr(), ids.data_ptr(),
+                                x.shape[0], n, k) != 0:
+        raise ValueError(f"gguf_argmax_il16_amx rejected a {w.kind} {n}x{k} matrix")
+    return ids
 
 
 def pack_bf16_tiles(lib: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor | None:

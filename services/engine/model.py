@@ -92,11 +92,13 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCache, logit_rows: torch.Tensor,
-                between_layers: Callable[[int, int], None] | None = None) -> torch.Tensor:
+                between_layers: Callable[[int, int], None] | None = None,
+                greedy: bool = False) -> torch.Tensor:
         """input_ids, positions: [T]; logit_rows: [S] rows whose next-token logits are wanted.
-        Returns float32 logits [S, V]. between_layers(done, num_layers) is called after each
-        layer but the last (the engine may run another, whole forward there: this one's state
-        is its locals and its own KV slots)."""
+        Returns float32 logits [S, V]; with greedy (only where `greedy_head`), int64 [S]: each
+        row's argmax token instead, from the lm_head without the logits. between_layers(done,
+        num_layers) is called after each layer but the last (the engine may run another, whole
+        forward there: this one's state is its locals and its own KV slots)."""
         c = self.config
         t = input_ids.shape[0]
         nq = c.num_heads + c.num_kv_heads  # heads that get RoPE
@@ -142,7 +144,15 @@ class LlamaModel:
                 else:
                     x.add_(mlp)
         x = self._norm(x[logit_rows].contiguous(), None, self.norm)
+        if greedy:
+            return self.lm_head.greedy_rows(x)
         return self.lm_head(x).float()
+
+    @property
+    def greedy_head(self) -> bool:
+        """Whether forward(greedy=True) can give argmax tokens without logits (the lm_head
+        is a GGUF matrix on AMX tiles: GGUFLinear.greedy_rows)."""
+        return bool(getattr(self.lm_head, "has_greedy_rows", False))
 
     def _c_layers(self, kv: KVCache) -> cpu_kernels.DecodeLayers | None:
         """The decode layers in C (`cpu_kernels.DecodeLayers`) where this model runs them: the

@@ -189,6 +189,20 @@ class GGUFLinear:
         return fn, gguf_kernels.FORMATS[self.weight.kind][0], self._interleaved.data_ptr(), n, k
 
     @property
+    def has_greedy_rows(self) -> bool:
+        """Whether `greedy_rows` works here: decode rows on AMX tiles, float32 output."""
+        return self._interleaved is not None and self._amx and self.out_dtype == torch.float32
+
+    def greedy_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax over x @ w.T, int64 [T], without the product (where
+        `has_greedy_rows`; gguf_kernels.argmax_interleaved): the token argmax over __call__'s
+        output gives, that output never written. SmolLM2's lm_head on the 2-core AMX Xeon,
+        multiply + argmax_rows against this: 64 rows 4.5 -> 3.5 ms, 16 rows 1.5 -> 1.2."""
+        if not self.has_greedy_rows:
+            raise ValueError("greedy_rows needs the interleaved blocks on AMX tiles")
+        return gguf_kernels.argmax_interleaved(self._il, x.float(), self._interleaved, self.weight)
+
+    @property
     def decode_row_tile(self) -> int:
         """Decode rows multiplied as one unit: 16 on AMX tiles (up to 16 rows cost alike), else
         0 (each row costs its own)."""

@@ -148,6 +148,7 @@ class ModelRunner:
             log.warning("cuda_graphs_off", reason="no paged decode kernel (triton did not import)")
         # decode rows the layers multiply as one unit (16 on AMX tiles; 0: each row its own)
         self.decode_row_tile = getattr(self.model.layers[0].qkv, "decode_row_tile", 0)
+        self._greedy_head = bool(getattr(self.model, "greedy_head", False))
         self.load_seconds = time.perf_counter() - t0
         log.info("runner_ready", model=self.model_name, dtype=dtype, quantization=quantization,
                  decode_row_tile=self.decode_row_tile,
@@ -218,22 +219,28 @@ class ModelRunner:
                 rows.extend(range(len(ids) - 1 - k, len(ids)))
                 sample_chunks.extend(_draft_rows(c) if k else [c])
         dev = self.device
+        greedy = False  # whether `out` holds the rows' argmax tokens rather than their logits
         if self.graphs is not None and self.graphs.fits(chunks):
-            logits = self.graphs.run(chunks)  # [len(chunks), V]: one row per decode chunk
+            out = self.graphs.run(chunks)  # [len(chunks), V]: one row per decode chunk
             if len(rows) < len(chunks):  # a 1-token chunk that samples nothing
-                logits = logits[to_device(rows, torch.long, dev)]
+                out = out[to_device(rows, torch.long, dev)]
         else:
+            # every row plain greedy: the lm_head gives the argmax tokens without the logits
+            # where it can (model.greedy_head; the same tokens)
+            greedy = bool(sample_chunks) and self._greedy_head and all(
+                c.sampling.greedy and not c.sampling.penalized and not c.sampling.logprobs
+                for c in sample_chunks)
             meta = build_metadata(spans, self.block_size, dev, self._paged_prompts, self._paged_max_ctx)
-            logits = self.model.forward(to_device(ids, torch.long, dev),
-                                        to_device(positions, torch.long, dev),
-                                        meta, self.kv, to_device(rows, torch.long, dev), hook)
+            out = self.model.forward(to_device(ids, torch.long, dev), to_device(positions, torch.long, dev),
+                                     meta, self.kv, to_device(rows, torch.long, dev), hook, greedy)
         t0 += inside[0]
         if not sample_chunks:
             return PendingStep(self.sampler, chunks, None, {}, t0)
         checkpoints = {c.seq_id: self.sampler.checkpoint(c.seq_id, c.sampling)
                        for c in chunks if c.num_draft_tokens}
-        return PendingStep(self.sampler, chunks, self.sampler.sample_async(logits, sample_chunks),
-                           checkpoints, t0)
+        tokens = (self.sampler.greedy_async(out, sample_chunks) if greedy
+                  else self.sampler.sample_async(out, sample_chunks))
+        return PendingStep(self.sampler, chunks, tokens, checkpoints, t0)
 
     def _check(self, c: SeqChunk) -> None:
         """Scheduler bugs surface here as ValueError rather than as silent cache corruption."""

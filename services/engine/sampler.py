@@ -73,6 +73,11 @@ class Sampler:
         """logits: float32 [S, V], row i belongs to chunks[i]. Returns one token per row."""
         return self.sample_async(logits, chunks).wait()
 
+    def greedy_async(self, token_ids: torch.Tensor, chunks: list[SeqChunk]) -> "PendingTokens":
+        """`sample_async` for rows that are all plain greedy (no penalties, no logprobs) whose
+        argmax the model already took (int64 [S]: LlamaModel.forward with greedy)."""
+        return PendingTokens(HostCopy([token_ids]), [c.sampling for c in chunks], False, False)
+
     def sample_async(self, logits: torch.Tensor, chunks: list[SeqChunk]) -> "PendingTokens":
         """`sample` with the wait for the device left to the caller: every draw is made
         (the generators have moved on) and the results are on their way to the host."""

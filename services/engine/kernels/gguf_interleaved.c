@@ -409,44 +409,96 @@ static void *amx_scratch(size_t bytes) {
     return amx_buf;
 }
 
+/* ARGMAX mode: each row's running best over the columns seen so far, lane by lane (lane l
+   of a work item's 16 columns holds column 16 g + l): bestv/besti [M][16] (besti -1: none
+   yet). A column replaces a lane's best when it is larger, or a NaN where the best is not
+   (argmax_rows' rules: the first of equal values, the first NaN; a thread takes its groups in
+   increasing order, so a later column never wins a tie). ys: the item's columns [M][16]. */
+static void argmax_fold(const float *ys, float *bestv, int32_t *besti, int64_t M, int64_t g) {
+    __m512i col = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(16 * g)),
+                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    for (int64_t i = 0; i < M; i++) {
+        __m512 v = _mm512_loadu_ps(ys + 16 * i), b = _mm512_loadu_ps(bestv + 16 * i);
+        __m512i bi = _mm512_loadu_si512((const void *)(besti + 16 * i));
+        __mmask16 take = _mm512_cmp_ps_mask(v, b, _CMP_GT_OQ)
+                       | (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & ~_mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q))
+                       | _mm512_cmplt_epi32_mask(bi, _mm512_setzero_si512());
+        _mm512_storeu_ps(bestv + 16 * i, _mm512_mask_mov_ps(b, take, v));
+        _mm512_storeu_si512((void *)(besti + 16 * i), _mm512_mask_mov_epi32(bi, take, col));
+    }
+}
+
+/* A thread's lane bests into the team's per-row best (gv, gi; gi -1: none yet), by the same
+   rules over the column indices (one thread at a time). */
+static void argmax_merge(const float *bestv, const int32_t *besti, float *gv, int64_t *gi, int64_t M) {
+    for (int64_t i = 0; i < M; i++)
+        for (int l = 0; l < 16; l++) {
+            float v = bestv[16 * i + l];
+            int64_t c = besti[16 * i + l];
+            if (c < 0) continue;
+            int vn = v != v, gn = gv[i] != gv[i];
+            int take = gi[i] < 0 || (vn ? (!gn || c < gi[i]) : (!gn && (v > gv[i] || (v == gv[i] && c < gi[i]))));
+            if (take) {
+                gv[i] = v;
+                gi[i] = c;
+            }
+        }
+}
+
 /* As gguf_linear_il16, on AMX tiles (gguf_il16_amx_init first). Rows handed to
-   gguf_il16_prefetch_next are dropped (gguf_kernels.py hands none here). swiglu: w is [gate;
-   up] (N / 2 rows each, N % 32 == 0) and y [M, N / 2] = silu(gate) * up: a work item is gate
-   group g with up group g + N / 32, each summed exactly as alone, their 16 columns for all M
-   rows kept in scratch and combined by silu_mul16 (silu_mul's arithmetic on the same numbers:
-   the same bits as this linear, then silu_mul), so the decode step neither writes the [M, N]
-   gate/up output nor reads it back, nor waits on another parallel region. */
-static int il16_amx_run(int fmt, const float *x, const uint8_t *pk, float *y, int64_t M, int64_t N,
-                        int64_t K, int swiglu) {
+   gguf_il16_prefetch_next are dropped (gguf_kernels.py hands none here). Modes:
+   SWIGLU: w is [gate; up] (N / 2 rows each, N % 32 == 0) and y [M, N / 2] = silu(gate) * up:
+     a work item is gate group g with up group g + N / 32, each summed exactly as alone, their
+     16 columns for all M rows kept in scratch and combined by silu_mul16 (silu_mul's
+     arithmetic on the same numbers: the same bits as this linear, then silu_mul), so the
+     decode step neither writes the [M, N] gate/up output nor reads it back, nor waits on
+     another parallel region.
+   ARGMAX: ids [M] (int64) = each row's argmax over the N columns of this linear's y (the
+     index argmax_rows gives over y: the same sums, the same rules), y never written: a greedy
+     step's logits (SmolLM2: 64 rows x 49,152, 12.6 MB) are neither written to memory nor
+     read back by a separate argmax. */
+enum { IL_PLAIN = 0, IL_SWIGLU = 1, IL_ARGMAX = 2 };
+static int il16_amx_run(int fmt, const float *x, const uint8_t *pk, float *y, int64_t *ids, int64_t M,
+                        int64_t N, int64_t K, int mode) {
     next_side.n = 0;
-    if (!(fmt == FMT_Q4_1 || fmt == FMT_Q4_0 || fmt == FMT_Q8_0) || N % (swiglu ? 32 : 16) || K % QK)
+    if (!(fmt == FMT_Q4_1 || fmt == FMT_Q4_0 || fmt == FMT_Q8_0) || N % (mode == IL_SWIGLU ? 32 : 16) || K % QK)
         return -1;
     if (M == 0) return 0;
     int64_t nb = K / QK, Mp = M > 16 ? (M + 15) / 16 * 16 : M;  /* input tiles of 16 rows past 16 */
     uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * Mp * K);
     float *sx = (float *)malloc(sizeof(float) * M * nb);
-    if (!xb || !sx) {
+    float *gv = mode == IL_ARGMAX ? (float *)malloc(sizeof(float) * M) : 0;
+    if (!xb || !sx || (mode == IL_ARGMAX && !gv)) {
         free(xb);
         free(sx);
+        free(gv);
         return -2;
     }
     memset(xb + M * K, 0, sizeof(uint16_t) * (Mp - M) * K);
+    if (mode == IL_ARGMAX)
+        for (int64_t i = 0; i < M; i++) ids[i] = -1;
     int rc = 0;
     int64_t half = N / 2, nbt = nb > 4 ? nb : 4;
+    /* past the B tiles and two C tiles: SWIGLU the gate's and the up's 16 columns of every
+       row; ARGMAX an item's columns, the lane bests and their columns */
+    int64_t extra = mode == IL_SWIGLU ? 32 * M : mode == IL_ARGMAX ? 48 * M : 0;
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < M * K; i += QK) sx[i / QK] = input_block(x + i, xb + i);
         amx_configure(M);
-        /* every unit's B tile, and at least the four of agroup_amx's ring; two C tiles; with
-           swiglu the gate's and the up's 16 columns of every row */
-        uint16_t *bt = amx_scratch(sizeof(uint16_t) * nbt * 512 + sizeof(float) * (512 + (swiglu ? 32 * M : 0)));
+        /* every unit's B tile, and at least the four of agroup_amx's ring; two C tiles; extra */
+        uint16_t *bt = amx_scratch(sizeof(uint16_t) * nbt * 512 + sizeof(float) * (512 + extra));
         float *cb = bt ? (float *)(bt + nbt * 512) : 0, *gs = cb ? cb + 512 : 0, *us = gs ? gs + 16 * M : 0;
+        float *bestv = gs ? gs + 16 * M : 0;  /* ARGMAX (where SWIGLU keeps us) */
+        int32_t *besti = bestv ? (int32_t *)(bestv + 16 * M) : 0;
         if (!bt) {
             #pragma omp atomic write
             rc = -2;
+        } else if (mode == IL_ARGMAX) {
+            for (int64_t i = 0; i < 16 * M; i++) besti[i] = -1;
         }
-        if (swiglu) {
+        if (mode == IL_SWIGLU) {
             #pragma omp for schedule(guided)
             for (int64_t g = 0; g < N / 32; g++) {
                 if (!bt) continue;
@@ -456,6 +508,17 @@ static int il16_amx_run(int fmt, const float *x, const uint8_t *pk, float *y, in
                     _mm512_storeu_ps(y + i * half + 16 * g,
                                      silu_mul16(_mm512_loadu_ps(gs + 16 * i), _mm512_loadu_ps(us + 16 * i)));
             }
+        } else if (mode == IL_ARGMAX) {
+            #pragma omp for schedule(guided) nowait
+            for (int64_t g = 0; g < N / 16; g++) {
+                if (!bt) continue;
+                agroup_amx(fmt, xb, sx, pk, gs, 16, M, g, K, bt, cb);
+                argmax_fold(gs, bestv, besti, M, g);
+            }
+            if (bt) {
+                #pragma omp critical(il16_argmax)
+                argmax_merge(bestv, besti, gv, ids, M);
+            }
         } else {
             #pragma omp for schedule(guided)
             for (int64_t g = 0; g < N / 16; g++)
@@ -463,6 +526,7 @@ static int il16_amx_run(int fmt, const float *x, const uint8_t *pk, float *y, in
         }
         _tile_release();
     }
+    free(gv);
     free(sx);
     free(xb);
     return rc;
@@ -470,13 +534,19 @@ static int il16_amx_run(int fmt, const float *x, const uint8_t *pk, float *y, in
 
 int gguf_linear_il16_amx(int fmt, const float *x, const uint8_t *pk, float *y, int64_t M, int64_t N,
                          int64_t K) {
-    return il16_amx_run(fmt, x, pk, y, M, N, K, 0);
+    return il16_amx_run(fmt, x, pk, y, 0, M, N, K, IL_PLAIN);
 }
 
 /* y float32 [M, N / 2] = silu(x @ gate.T) * (x @ up.T) for pk a [gate; up] matrix of N rows */
 int gguf_linear_il16_amx_swiglu(int fmt, const float *x, const uint8_t *pk, float *y, int64_t M,
                                 int64_t N, int64_t K) {
-    return il16_amx_run(fmt, x, pk, y, M, N, K, 1);
+    return il16_amx_run(fmt, x, pk, y, 0, M, N, K, IL_SWIGLU);
+}
+
+/* ids int64 [M] = argmax over n of (x @ w.T)[m, n] (ARGMAX above) */
+int gguf_argmax_il16_amx(int fmt, const float *x, const uint8_t *pk, int64_t *ids, int64_t M, int64_t N,
+                         int64_t K) {
+    return il16_amx_run(fmt, x, pk, 0, ids, M, N, K, IL_ARGMAX);
 }
 
 /* Prompt rows in bfloat16 on AMX (GGUFLinear's bfloat16 copy of the weights, where this build

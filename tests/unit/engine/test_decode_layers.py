@@ -110,3 +110,52 @@ def test_steps_with_prompt_rows_stay_in_python(lib, tmp_path):
     table = [0, 1, 2]
     runner.execute(Batch([SeqChunk(1, [5, 6, 7, 8, 9], 0, table, False, SamplingParams())]))
     assert runner.model._c_plan is None
+
+
+def generate(runner: ModelRunner, sampling: list[SamplingParams], steps: int = 4) -> list[list[int]]:
+    """Three prompts prefilled, then `steps` decode steps, each sequence with its own
+    settings; every token each sampled (a speculative chunk of two drafts in the second step)."""
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    prompts = [[(i * 5 + s) % tm.VOCAB for i in range(n)] for s, n in enumerate((5, 8, 3))]
+    out = runner.execute(Batch([SeqChunk(s, p, 0, tables[s], True, sampling[s]) for s, p in enumerate(prompts)]))
+    tokens = [[out.sampled[s].token_id] for s in range(3)]
+    for step in range(steps):
+        chunks = []
+        for s in range(3):
+            pos = len(prompts[s]) + len(tokens[s]) - 1
+            drafts = [7, 8] if step == 1 and s == 2 else []
+            chunks.append(SeqChunk(s, [tokens[s][-1], *drafts], pos, tables[s], True, sampling[s],
+                                   prompt_token_ids=prompts[s], output_token_ids=list(tokens[s]),
+                                   num_draft_tokens=len(drafts)))
+        out = runner.execute(Batch(chunks))
+        for s in range(3):
+            tokens[s] += [t.token_id for t in out.accepted.get(s, [])] + [out.sampled[s].token_id]
+    return tokens
+
+
+def test_greedy_steps_take_the_lm_heads_argmax_and_the_same_tokens(lib, tmp_path, monkeypatch):
+    """Where the lm_head has a fused argmax (AMX tiles), a step whose rows are all plain
+    greedy takes its tokens from it, not from the logits: the same tokens as a runner that
+    samples from the logits; a step with any row that needs the logits (a penalty, logprobs,
+    temperature) does not use it."""
+    from services.engine.quant import GGUFLinear
+    calls = []
+    fused = GGUFLinear.greedy_rows
+    monkeypatch.setattr(GGUFLinear, "greedy_rows", lambda self, x: calls.append(x.shape[0]) or fused(self, x))
+    il = gguf_kernels.load_interleaved()
+    amx = gguf_kernels.interleaved_amx(il)
+    runner = runner_for(tmp_path, "Q4_1", "auto")
+    assert runner._greedy_head == amx
+    plain = runner_for(tmp_path, "Q4_1", "auto")
+    plain._greedy_head = False  # always the logits
+    greedy = [SamplingParams()] * 3
+    want = generate(plain, greedy)
+    assert not calls
+    assert generate(runner, greedy) == want
+    assert calls == ([3, 3, 5, 3, 3] if amx else [])  # every step: one row a sequence, drafts too
+    calls.clear()
+    for needs_logits in (SamplingParams(logprobs=True), SamplingParams(repetition_penalty=1.3),
+                         SamplingParams(temperature=0.8, seed=1)):
+        mixed = [SamplingParams(), needs_logits, SamplingParams()]
+        assert generate(runner, mixed, steps=2)[0] == want[0][:3]
+        assert not calls

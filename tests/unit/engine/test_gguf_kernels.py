@@ -236,6 +236,31 @@ def test_amx_decode_swiglu_gives_silu_mul_of_the_gate_up_rows_bit_for_bit(amxlib
         gguf_kernels.linear_interleaved_swiglu(amxlib, x[:2], gguf_kernels.pack_interleaved(amxlib, odd), odd)
 
 
+@pytest.mark.parametrize("kind", gguf_kernels.INTERLEAVED_FORMATS)
+def test_amx_argmax_gives_argmax_rows_of_the_product_without_it(amxlib, kind):
+    """Each row's argmax without the [M, N] product (gguf_argmax_il16_amx): the index
+    argmax_rows gives over the multiply's output, for one, a partial, one whole and several
+    tiles of rows. Every weight row is one of 37 (so each row's largest value stands at many
+    columns, across groups and threads): the first of them wins; a row of NaN gives 0."""
+    fused = cpu_kernels.load()
+    base = blocks(kind, 48, 64, seed=10)
+    w = GGUFWeight(kind, base.blocks[torch.arange(480) % 37].contiguous(), (480, 64))
+    packed = gguf_kernels.pack_interleaved(amxlib, w)
+    x = torch.randn(64, 64) * 2
+    x[9] = float("nan")
+    for m in (1, 5, 16, 17, 40, 64):
+        y = gguf_kernels.linear_interleaved(amxlib, x[:m], packed, w, amx=True)
+        want = cpu_kernels.argmax_rows(fused, y)
+        got = gguf_kernels.argmax_interleaved(amxlib, x[:m], packed, w)
+        assert got.dtype == torch.int64 and torch.equal(got, want), m
+        assert torch.equal(got, torch.argmax(y, dim=1)), m  # torch's rules too
+        assert bool((got < 37).all()), m  # the first copy of the largest row
+    assert gguf_kernels.argmax_interleaved(amxlib, x[9:10], packed, w).tolist() == [0]
+    with pytest.raises(ValueError, match="rejected"):  # rows in whole groups of 16
+        odd = blocks(kind, 40, 64, seed=11)
+        gguf_kernels.argmax_interleaved(amxlib, x[:2], packed[:0], odd)
+
+
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 64), (64, 576), (96, 1536)])
 def test_amx_bfloat16_gemm_sums_bfloat16_products_in_float32_whatever_the_batch(amxlib, n, k):
     """Prompt rows' multiply on AMX tiles (bf16_gemm_amx): x and w as bfloat16, exact products,
