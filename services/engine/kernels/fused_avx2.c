@@ -16,7 +16,7 @@
    in the lines the other writes (a 64 x 64-token prefill on the 2-core AMX Xeon: add_rmsnorm
    ~70 -> ~40 ms, rope_write_kv ~36 -> ~15 ms). Element-wise kernels stay on one thread below
    PARALLEL_MIN_ELEMS (a parallel region costs more than the work): a 64-row decode step's
-   norms and RoPE are above it (in paired rounds that step took 0.95-0.96x the time with them
+   norms and RoPE are above it (in paired rounds that step took 0.95-0.97x the time with them
    on both threads), a 16-row step's below. */
 #define PARALLEL_MIN_ELEMS (1 << 14)
 #define ROW_RUN 16
