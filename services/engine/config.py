@@ -18,7 +18,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 COMPUTE_DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8")  # what each means: services/engine/quant.py
 PREFILL_DTYPES = ("auto", "bfloat16", "float32")  # likewise
-DECODE_DTYPES = PREFILL_DTYPES  # likewise
+DECODE_DTYPES = (*PREFILL_DTYPES, "int16")  # likewise
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]
 AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 # Formats kernels/gguf_interleaved.c serves (its rows in groups of 16)
 INTERLEAVED_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+# Formats gguf_linear.c's 16-bit-input decode kernel serves (its rows in groups of 8)
+I16_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def runnable_isas() -> list[str]:
@@ -80,6 +82,10 @@ def load(isa: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL |
         lib.gguf_dequantize.restype = ctypes.c_int
         lib.gguf_dequantize.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.gguf_isa.restype = ctypes.c_char_p
+        lib.gguf_pack_i16.restype = lib.gguf_linear_i16.restype = lib.gguf_input_i16.restype = ctypes.c_int
+        lib.gguf_pack_i16.argtypes = lib.gguf_dequantize.argtypes
+        lib.gguf_linear_i16.argtypes = lib.gguf_linear.argtypes
+        lib.gguf_input_i16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         if hasattr(lib, "gguf_linear_bf16"):  # the avx512bf16 build
             lib.gguf_linear_bf16.restype = ctypes.c_int
             lib.gguf_linear_bf16.argtypes = lib.gguf_linear.argtypes
@@ -252,6 +258,39 @@ def argmax_interleaved(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, 
                                 x.shape[0], n, k) != 0:
         raise ValueError(f"gguf_argmax_il16_amx rejected a {w.kind} {n}x{k} matrix")
     return ids
+
+
+def pack_i16(lib: ctypes.CDLL, w: GGUFWeight) -> torch.Tensor | None:
+    """w's blocks laid out for `linear_i16` (gguf_pack_i16: uint8, w's size), or None where its
+    format or row count does not fit (I16_FORMATS, rows a multiple of 8)."""
+    if w.kind not in I16_FORMATS or w.shape[0] % 8:
+        return None
+    out = torch.empty_like(w.blocks)
+    if lib.gguf_pack_i16(FORMATS[w.kind][0], w.blocks.data_ptr(), out.data_ptr(), *w.shape) != 0:
+        raise ValueError(f"gguf_pack_i16 rejected a {w.kind} {w.shape} matrix")
+    return out
+
+
+def linear_i16(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """x: float32 [M, K] (made contiguous) -> x @ w.T, float32 [M, N], with `packed` =
+    pack_i16(lib, w): the file's exact weights, x rounded per block of 32 to 16-bit fixed point
+    (`input_i16`), each block's products summed exactly in integers."""
+    x = x.contiguous()
+    n, k = w.shape
+    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    rc = lib.gguf_linear_i16(FORMATS[w.kind][0], x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], n, k)
+    if rc != 0:
+        raise (MemoryError if rc == -2 else ValueError)(f"gguf_linear_i16 rejected a {w.kind} {n}x{k} matrix")
+    return y
+
+
+def input_i16(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """x (float32 [M, K], K a multiple of 32) as `linear_i16` rounds it, float32."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if lib.gguf_input_i16(x.data_ptr(), out.data_ptr(), *x.shape) != 0:
+        raise ValueError(f"gguf_input_i16 rejected a {tuple(x.shape)} input")
+    return out
 
 
 def pack_bf16_tiles(lib: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor | None:

@@ -69,8 +69,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--decode-dtype", default="auto", choices=DECODE_DTYPES,
                    help="the other rows (decodes, drafts, short prompt chunks), always multiplied"
                         " on the file's own blocks: auto (default) in bfloat16 arithmetic where the"
-                        " CPU has AVX512-BF16 (the blocks rounded to bfloat16 as they are read),"
-                        " else float32")
+                        " CPU has AVX512-BF16 (the input rounded to bfloat16), else int16 (the"
+                        " decode rows' input in 16-bit fixed point per block of 32, the file's"
+                        " exact weights, products summed in integers); float32: the exact"
+                        " dequantized weights times the float32 input")
     p.add_argument("--exact", action="store_true",
                    help="the bit-faithful mode: float32 dense weights, activations and KV cache"
                         " (same as --quantization none --dtype float32); slower")
@@ -121,7 +123,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     a = p.parse_args(argv)
     if a.exact:
         if (a.quantization not in ("auto", "none") or a.dtype not in ("auto", "float32")
-                or a.kv_cache_dtype not in (None, "float32") or "bfloat16" in (a.prefill_dtype, a.decode_dtype)):
+                or a.kv_cache_dtype not in (None, "float32") or a.prefill_dtype == "bfloat16"
+                or a.decode_dtype in ("bfloat16", "int16")):
             p.error("--exact is float32 without quantization: drop --quantization/--dtype/"
                     "--kv-cache-dtype/--prefill-dtype/--decode-dtype")
         a.quantization, a.dtype, a.kv_cache_dtype = "none", "float32", "float32"

@@ -26,7 +26,7 @@ from services.engine.device import to_device
 from services.engine.interface import Batch, RunnerOutput, SeqChunk
 from services.engine.loader import LoadedWeights, ModelLoadError, load_weights
 from services.engine.model import LlamaModel
-from services.engine.quant import QUANTIZATIONS, decode_in_bfloat16, prefill_in_bfloat16
+from services.engine.quant import QUANTIZATIONS, decode_in_bfloat16, decode_in_int16, prefill_in_bfloat16
 from services.engine.sampler import PendingTokens, Sampler
 from tokenserve.runtime.logging import get_logger
 
@@ -59,8 +59,10 @@ class ModelRunner:
     "bfloat16" or "float32"; only GGUF blocks served by their kernels (quantization "auto") keep
     a bfloat16 copy for prompt rows (see quant.py).
     decode_dtype: "auto" (bfloat16 arithmetic on the GGUF blocks where their kernels have an
-    AVX512-BF16 build for this CPU), "bfloat16" or "float32": the rows the blocks' kernel
-    multiplies (decodes, drafts, short prompt chunks); quantization "auto" only.
+    AVX512-BF16 build for this CPU, else "int16"), "bfloat16", "int16" (decode rows' input in
+    16-bit fixed point per block of 32, the blocks' products summed in integers; prompt rows
+    float32) or "float32": the rows the blocks' kernel multiplies (decodes, drafts, short
+    prompt chunks); quantization "auto" only.
     kernels=False turns off the AVX2 C kernels (fused norm, int8 matmul): torch ops only.
     num_threads: torch intra-op threads (default: the CPUs this process may use).
     seed: seeds the generator of unseeded sampling requests (tests).
@@ -95,6 +97,8 @@ class ModelRunner:
         prefill_bf16 = quantization == "auto" and prefill_in_bfloat16(prefill_dtype, device)
         decode_bf16 = (quantization == "auto" and kernels
                        and decode_in_bfloat16(decode_dtype, device))
+        decode_i16 = (quantization == "auto" and kernels and not decode_bf16
+                      and decode_in_int16(decode_dtype, device))
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         if on_cuda:  # graph capture and replay, Triton launches: all on the engine's device
@@ -110,6 +114,7 @@ class ModelRunner:
                 self.model = LlamaModel(loaded, dtype=DTYPES[dtype], quantization=quantization,
                                         device=device, fused_kernels=kernels,
                                         prefill_bf16=prefill_bf16, decode_bf16=decode_bf16,
+                                        decode_i16=decode_i16,
                                         decode_attention=decode_attention)
         except ValueError as e:  # e.g. an unsupported rope scaling
             raise ModelLoadError(model_path, str(e)) from e
@@ -153,7 +158,7 @@ class ModelRunner:
         log.info("runner_ready", model=self.model_name, dtype=dtype, quantization=quantization,
                  decode_row_tile=self.decode_row_tile,
                  kv_cache_dtype=kv_cache_dtype, prefill_bfloat16=prefill_bf16,
-                 decode_bfloat16=decode_bf16,
+                 decode_bfloat16=decode_bf16, decode_int16=decode_i16,
                  num_blocks=self.num_blocks, block_size=block_size, max_context=self.max_context,
                  kv_cache_mib=round(self.num_blocks * per_block / 2**20, 1),
                  decode_attention=self.model.decode_attention,

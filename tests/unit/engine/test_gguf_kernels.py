@@ -2,6 +2,8 @@
 and the engine's default mode serving a GGUF file's own blocks."""
 from __future__ import annotations
 
+import ctypes
+
 import gguf
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from services.engine import cpu_kernels, gguf_kernels
 from services.engine.gguf_kernels import FORMATS, ISAS, GGUFWeight
 from services.engine.loader import load_weights
 from services.engine.quant import (PREFILL_MIN_ROWS, DenseLinear, GGUFLinear, decode_in_bfloat16,
-                                     native_bfloat16, prefill_in_bfloat16)
+                                     decode_in_int16, native_bfloat16, prefill_in_bfloat16)
 from services.engine.runner import ModelRunner
 from tests.integration.engine_model import oracle
 from tests.unit.engine import tiny_models as tm
@@ -305,6 +307,79 @@ def test_amx_swiglu_gives_silu_mul_of_the_bfloat16_gate_up_output_bit_for_bit(am
         gguf_kernels.gemm_bf16_amx_swiglu(amxlib, x, odd, 48)
 
 
+def test_the_16_bit_input_keeps_15_bits_of_each_blocks_largest(glib):
+    g = torch.Generator().manual_seed(7)
+    scale = torch.tensor([1e-3, 1.0, 300.0, 2.0 ** -100]).repeat_interleave(32)  # per block of 32
+    x = torch.randn(3, 128, generator=g) * scale
+    x[1, 64:96] = 0.0  # an all-zero block
+    x[2, 32:64] = torch.arange(32.0) - 16  # small integers: on the grid already
+    r = gguf_kernels.input_i16(glib, x)
+    for blk in range(4):
+        a, b = x[:, 32 * blk:32 * (blk + 1)], r[:, 32 * blk:32 * (blk + 1)]
+        top = a.abs().amax(dim=1, keepdim=True)
+        # s = 2^(e - 15) where top < 2^e: the smallest power of two that keeps |X| < 2^15
+        s = torch.where(top > 0, torch.exp2(torch.floor(torch.log2(top)) + 1 - 15), torch.ones_like(top))
+        assert torch.equal(b / s, torch.round(b / s)), blk  # X * s, X integer
+        assert ((b / s).abs() <= 32767).all()
+        assert ((a - b).abs() <= s / 2).all(), blk  # to nearest
+    assert torch.equal(r[1, 64:96], x[1, 64:96]) and torch.equal(r[2, 32:64], x[2, 32:64])
+    with pytest.raises(ValueError, match="input_i16 rejected"):
+        gguf_kernels.input_i16(glib, torch.randn(2, 48))
+
+
+@pytest.mark.parametrize("kind", gguf_kernels.I16_FORMATS)
+def test_i16_kernel_is_the_files_weights_times_the_rounded_input(glib, kind):
+    # N = 40: five groups of 8 rows; M up to 9: tiles of 4 input rows and each remainder
+    w = blocks(kind, 40, 256, seed=3)
+    packed = gguf_kernels.pack_i16(glib, w)
+    assert packed.shape == w.blocks.shape and packed.dtype == torch.uint8
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4)) * 3
+    full = gguf_kernels.linear_i16(glib, x, packed, w)
+    ref = gguf_kernels.input_i16(glib, x).double() @ w.dequantize().double().T
+    # only float32 rounding of each block's two scalings and the row's sum: the weights are
+    # the file's, the products exact
+    torch.testing.assert_close(full.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+    exact = x.double() @ w.dequantize().double().T  # and the input's rounding stays small
+    torch.testing.assert_close(full.double(), exact, rtol=0, atol=2e-4 * exact.abs().max().item())
+    for m in range(1, 10):  # a row's result is the same bits whatever else is in the batch
+        for at in (0, 9 - m):
+            part = gguf_kernels.linear_i16(glib, x[at:at + m], packed, w)
+            assert torch.equal(part, full[at:at + m]), (m, at)
+    assert gguf_kernels.linear_i16(glib, x[:0], packed, w).shape == (0, 40)
+
+
+def test_i16_kernel_takes_only_its_formats_in_rows_of_eight(glib):
+    assert gguf_kernels.pack_i16(glib, blocks("Q4_K", 16, 256)) is None
+    assert gguf_kernels.pack_i16(glib, blocks("Q4_1", 12, 64)) is None  # 12 rows: not in eights
+    w = blocks("Q4_1", 16, 64)
+    packed = gguf_kernels.pack_i16(glib, w)
+    x, y = torch.randn(1, 64), torch.empty(1, 16)
+    call = lambda fmt, n, k: glib.gguf_linear_i16(fmt, x.data_ptr(), packed.data_ptr(), y.data_ptr(), 1, n, k)
+    assert call(3, 16, 64) == 0 and torch.equal(y, gguf_kernels.linear_i16(glib, x, packed, w))
+    assert call(3, 12, 64) == -1 and call(3, 16, 48) == -1 and call(12, 16, 64) == -1  # N, K, Q4_K
+
+
+def test_int16_decode_rows_and_float32_prompt_rows():
+    lib = gguf_kernels.load()
+    if lib is None:
+        pytest.skip("no block kernel on this CPU")
+    w = blocks("Q4_1", 64, 96)
+    fast, plain = GGUFLinear(w, torch.float32, lib, decode_i16=True), GGUFLinear(w, torch.float32, lib)
+    packed = gguf_kernels.pack_i16(lib, w)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(fast(x), gguf_kernels.linear_i16(lib, x, packed, w))  # all decode rows
+    assert not torch.equal(fast(x), plain(x))  # the 16-bit input really used
+    y = fast(x, 3)
+    assert torch.equal(y[:3], plain(x[:3])) and torch.equal(y[3:], fast(x[3:]))  # prompt rows float32
+    assert torch.equal(fast(x, 7), plain(x))
+    fn, code, ptr, n, k = fast.decode_kernel()  # what the C decode step calls
+    assert (fn, n, k) == (ctypes.cast(lib.gguf_linear_i16, ctypes.c_void_p).value, 64, 96)
+    assert torch.equal(gguf_kernels.linear_i16(lib, x, fast._i16, w), fast(x))  # its layout
+    q4k = GGUFLinear(blocks("Q4_K", 16, 256), torch.float32, lib, decode_i16=True)
+    xk = torch.randn(2, 256)  # no 16-bit kernel for Q4_K: float32 at every M
+    assert torch.equal(q4k(xk), GGUFLinear(q4k.weight, torch.float32, lib)(xk))
+
+
 def test_decode_dtype_follows_the_cpu_unless_chosen():
     here = gguf_kernels.has_bfloat16(gguf_kernels.load())
     assert decode_in_bfloat16("auto", "cpu") == here
@@ -316,6 +391,11 @@ def test_decode_dtype_follows_the_cpu_unless_chosen():
             decode_in_bfloat16("bfloat16", "cpu")
     with pytest.raises(ValueError, match="decode_dtype"):
         decode_in_bfloat16("float16", "cpu")
+    have = gguf_kernels.load() is not None
+    assert decode_in_int16("auto", "cpu") == (have and not here)  # where bfloat16 is not native
+    assert decode_in_int16("int16", "cpu") == have and not decode_in_bfloat16("int16", "cpu")
+    assert not decode_in_int16("float32", "cpu") and not decode_in_int16("bfloat16", "cpu")
+    assert not decode_in_int16("auto", "cuda")
 
 
 def test_weight_checks_its_blocks():
@@ -367,6 +447,22 @@ def test_default_mode_multiplies_in_bfloat16_where_the_cpu_does(tmp_path, bf16li
     a, b = oracle.runner_last_logits(default, prompt), oracle.runner_last_logits(f32, prompt)
     assert not torch.equal(a, b)  # bfloat16 arithmetic really used
     torch.testing.assert_close(a, b, rtol=0, atol=0.1)  # within its rounding
+
+
+def test_default_mode_takes_16_bit_decode_inputs_where_bfloat16_is_not_native(tmp_path):
+    if not decode_in_int16("auto", "cpu"):
+        pytest.skip("this CPU's default decode is bfloat16 (the test above) or has no block kernel")
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(0), "Q4_1", tokenizer=True)
+    default = ModelRunner(path, num_blocks=32, num_threads=1, quantization="auto")
+    f32 = ModelRunner(path, num_blocks=32, num_threads=1, quantization="auto", decode_dtype="float32")
+    exact = ModelRunner(path, num_blocks=32, num_threads=1)
+    assert default.model.layers[0].qkv._i16 is not None and f32.model.layers[0].qkv._i16 is None
+    prompt = [5, 17, 33, 2 + 40, 61, 7]
+    # the prompt's rows in float32, the logits' rows (what the head is given) as decode rows
+    a, b = oracle.runner_last_logits(default, prompt), oracle.runner_last_logits(f32, prompt)
+    assert not torch.equal(a, b)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+    assert oracle.runner_greedy(default, prompt, 16) == oracle.runner_greedy(exact, prompt, 16)
 
 
 def test_float_weights_fall_back_to_int8(tmp_path):
