@@ -85,7 +85,7 @@ def load(isa: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL |
         lib.gguf_pack_i16.restype = lib.gguf_linear_i16.restype = lib.gguf_input_i16.restype = ctypes.c_int
         lib.gguf_pack_i16.argtypes = lib.gguf_dequantize.argtypes
         lib.gguf_linear_i16.argtypes = lib.gguf_linear.argtypes
-        lib.gguf_input_i16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.gguf_input_i16.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         if hasattr(lib, "gguf_linear_bf16"):  # the avx512bf16 build
             lib.gguf_linear_bf16.restype = ctypes.c_int
             lib.gguf_linear_bf16.argtypes = lib.gguf_linear.argtypes
@@ -273,8 +273,8 @@ def pack_i16(lib: ctypes.CDLL, w: GGUFWeight) -> torch.Tensor | None:
 
 def linear_i16(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     """x: float32 [M, K] (made contiguous) -> x @ w.T, float32 [M, N], with `packed` =
-    pack_i16(lib, w): the file's exact weights, x rounded per block of 32 to 16-bit fixed point
-    (`input_i16`), each block's products summed exactly in integers."""
+    pack_i16(lib, w): the file's exact weights, x rounded per block of 32 to fixed point (15 bits
+    of the block's largest, Q8_0 12: `input_i16`), each block's products summed exactly."""
     x = x.contiguous()
     n, k = w.shape
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
@@ -284,11 +284,12 @@ def linear_i16(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, w: GGUFW
     return y
 
 
-def input_i16(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
-    """x (float32 [M, K], K a multiple of 32) as `linear_i16` rounds it, float32."""
+def input_i16(lib: ctypes.CDLL, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x (float32 [M, K], K a multiple of 32) as `linear_i16` rounds it for a `kind` matrix
+    (I16_FORMATS): float32."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    if lib.gguf_input_i16(x.data_ptr(), out.data_ptr(), *x.shape) != 0:
+    if lib.gguf_input_i16(FORMATS[kind][0], x.data_ptr(), out.data_ptr(), *x.shape) != 0:
         raise ValueError(f"gguf_input_i16 rejected a {tuple(x.shape)} input")
     return out
 

@@ -540,16 +540,16 @@ int gguf_dequantize(int fmt, const uint8_t *w, float *out, int64_t N, int64_t K)
 }
 
 /* ---- Decode rows with 16-bit activations (gguf_linear_i16) ----
-   The file's exact weights, the input rounded to 16-bit fixed point per block of 32: each
-   input block x is X * s with X integers (|X| <= 32767, to nearest even) and s a power of two
-   (the smallest that fits the block's largest |x|), so each element keeps 15 bits relative to
-   its block's largest (bfloat16, the AVX512-BF16 decode's input, keeps 8 relative to itself).
-   A block of a weight row is d * q + m (Q4_1; Q4_0: d * (q - 8); Q8_0: d * q), so its dot
-   product with the input block is d * s * sum(q * X) + m * s * sum(X): sum(q * X) is exact in
-   32-bit integers (VPMADDWD, two products a lane), and only the block's scalings round. Float32
-   on the file's blocks instead converts and dequantizes every weight (a conversion and two
-   FMAs per 8), which bounds a decode row on CPUs whose vector units are slow at those (Zen 1
-   splits each 256-bit operation in two).
+   The file's exact weights, the input rounded to fixed point per block of 32: each input block
+   x is X * s with X integers (to nearest even) and s a power of two, the smallest that keeps
+   |X| below 2^15 (Q8_0: 2^12), so each element keeps 15 (12) bits relative to its block's
+   largest (bfloat16, the AVX512-BF16 decode's input, keeps 8 relative to itself). A block of a
+   weight row is d * q + m (Q4_1; Q4_0: d * (q - 8); Q8_0: d * q), so its dot product with the
+   input block is d * s * sum(q * X) + m * s * sum(X): sum(q * X) is exact (VPMADDWD, two
+   products a lane, in 32-bit integers), and only the block's scalings round. Float32 on the
+   file's blocks instead converts and dequantizes every weight (a conversion and two FMAs per
+   8), which bounds a decode row on CPUs whose vector units are slow at those (Zen 1 splits
+   each 256-bit operation in two).
 
    Layout (gguf_pack_i16, a permutation of the file's numbers, the same size): for each group of
    8 weight rows and each block, the 8 rows' d (float16), their m (Q4_1), then 16 "pair vectors":
@@ -559,15 +559,18 @@ int gguf_dequantize(int fmt, const uint8_t *w, float *out, int64_t N, int64_t K)
    the vectors as int8 (widened by VPMOVSXBW); Q4_0/Q4_1 four of them in 32 bytes of nibbles
    (i16_quad: low and high halves, bytes widened by unpacking with zero).
 
-   y[m, n]: per block the exact integer sum, converted, times d * s (exact: s is a power of
-   two) added to the row's float32 sum by one FMA, then m * s * sum(X) by another, blocks in
-   order: the same for every M and tile, so a row's result is bit-identical whatever else is
-   in the batch (decode rows and drafts give the same tokens alone or together).
-   Measured on a 2-core AMD EPYC (Zen 1), SmolLM2's 3072x576 matrix against gguf_linear, both
-   threads: Q4_1 one row 233 -> 82 us, 2 rows 313 -> 144, 8 rows 934 -> 550; Q8_0 one row
-   205 -> 80 us. From ~16 rows on float32's panel GEMM is faster (16 rows 1.1x, 64 rows 1.4x
-   its time here: a VPMADDWD and its VPADDD make 16 products, one FMA 8, so once the weights'
-   conversion is shared by many rows the integer path has no edge). */
+   From I16_FLOAT_ROWS input rows on, the weights are converted once per call into float32
+   panels and the same block sums formed by FMAs (i16_ftile): each is an integer below 2^24 in
+   magnitude (Q4: 32 * 15 * 2^15; Q8_0: 32 * 128 * 2^12), exact in float32 in any order.
+   y[m, n]: per block that exact sum, times d * s (exact: s is a power of two) added to the
+   row's float32 sum by one FMA, then m * s * sum(X) by another, blocks in order: the same bits
+   for every M, tile and path, so a row's result does not depend on the rest of the batch
+   (decode rows and drafts give the same tokens alone or together; tested).
+   Measured on a 2-core AMD EPYC (Zen 1), against gguf_linear (float32) on both threads:
+   SmolLM2's 3072x576 Q4_1 matrix, one row 233 -> 84 us, 2 rows 319 -> 151, 8 rows 936 -> 552;
+   Q8_0 one row 205 -> 83. From ~12 rows float32's panel GEMM is faster (12 to 64 rows 1.12-1.3x
+   its time here: it scales each weight once per call, this path each block once per input
+   row). */
 #if defined(__AVX2__)
 #define I16_MR 4  /* input rows per tile */
 
@@ -613,8 +616,12 @@ int gguf_pack_i16(int fmt, const uint8_t *w, uint8_t *out, int64_t N, int64_t K)
     return 0;
 }
 
+/* Bits of X (its magnitude below 2^bits) for a format's input: 15, or 12 for Q8_0, whose block
+   sums then stay within 32 * 128 * 2^12 = 2^24, exact in float32 too (i16_ftile) */
+static inline int i16_bits(int fmt) { return fmt == FMT_Q8_0 ? 12 : 15; }
+
 /* x [M, K] -> xq [M, K] (int16) and per block {s, s * sum(X)} at xs [M * K / 32][2] */
-static void i16_input(const float *x, int16_t *xq, float *xs, int64_t M, int64_t K) {
+static void i16_input(const float *x, int16_t *xq, float *xs, int64_t M, int64_t K, int xbits) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i lim = _mm256_set1_epi32(32767);
     for (int64_t i = 0; i < M * K; i += QK) {
@@ -629,11 +636,12 @@ static void i16_input(const float *x, int16_t *xq, float *xs, int64_t M, int64_t
         uint32_t bits;
         float top = _mm_cvtss_f32(h);
         memcpy(&bits, &top, 4);
-        /* top < 2^(E - 126) with E its biased exponent: s = 2^(E - 141) (|x / s| < 2^15) and
-           1 / s exact; E from 16 (blocks below 2^-110 keep what fits), NaN/inf as the largest */
+        /* top < 2^(E - 126) with E its biased exponent: s = 2^(E - 126 - bits) (|x / s| <
+           2^bits) and 1 / s exact; E from 16 (blocks below 2^-110 keep what fits), NaN/inf as
+           the largest */
         int32_t E = (int32_t)(bits >> 23) & 255;
         E = E < 16 ? 16 : E > 254 ? 254 : E;
-        uint32_t sb = (uint32_t)(E - 14) << 23, ib = (uint32_t)(268 - E) << 23;
+        uint32_t sb = (uint32_t)(E + 1 - xbits) << 23, ib = (uint32_t)(253 - E + xbits) << 23;
         float s, inv;
         memcpy(&s, &sb, 4);
         memcpy(&inv, &ib, 4);
@@ -705,24 +713,124 @@ static inline __attribute__((always_inline)) void i16_tile_##MR(int fmt, const i
 }
 I16_TILE(1) I16_TILE(2) I16_TILE(3) I16_TILE(4)
 
-static inline __attribute__((always_inline)) void i16_group_impl(int fmt, const int16_t *xq,
-        const float *xs, const uint8_t *pk, float *y, int64_t M, int64_t g, int64_t N, int64_t K) {
-    for (int64_t j0 = 0; j0 < M; j0 += I16_MR) {
-        switch (M - j0 < I16_MR ? M - j0 : I16_MR) {
-            case 1: i16_tile_1(fmt, xq, xs, pk, y, j0, g, N, K); break;
-            case 2: i16_tile_2(fmt, xq, xs, pk, y, j0, g, N, K); break;
-            case 3: i16_tile_3(fmt, xq, xs, pk, y, j0, g, N, K); break;
-            default: i16_tile_4(fmt, xq, xs, pk, y, j0, g, N, K); break;
+/* From this many input rows the float32 panel path (i16_ftile): the same block sums, exact in
+   float32 too, one FMA per 8 products where the integer path needs two instructions per 16 */
+#define I16_FLOAT_ROWS 12
+#define I16_FMR 4  /* input rows per float32 tile */
+
+/* Group g's q as float32, fq [nb][32][8]: element k of the block for the 8 rows (lanes) */
+static inline __attribute__((always_inline)) void i16_fpanel(int fmt, const uint8_t *pk, float *fq,
+                                                            int64_t g, int64_t K) {
+    int64_t nb = K / QK, ub = i16_unit_bytes(fmt);
+    const uint8_t *u = pk + g * nb * ub;
+    for (int64_t b = 0; b < nb; b++, u += ub) {
+        const uint8_t *pairs = u + i16_pairs_at(fmt);
+        float *f = fq + b * QK * 8;
+        UNROLL for (int c = 0; c < 4; c++) {
+            __m256i pv[4];
+            if (fmt == FMT_Q8_0) {
+                UNROLL for (int i = 0; i < 4; i++)
+                    pv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pairs + 16 * (4 * c + i))));
+            } else {
+                i16_quad(pairs, c, pv);
+            }
+            UNROLL for (int i = 0; i < 4; i++) {  /* lane L: words 2L (element 2p), 2L + 1 (2p + 1) */
+                int p = 4 * c + i;
+                __m256i even = _mm256_srai_epi32(_mm256_slli_epi32(pv[i], 16), 16), odd = _mm256_srai_epi32(pv[i], 16);
+                _mm256_store_ps(f + (2 * p) * 8, _mm256_cvtepi32_ps(even));
+                _mm256_store_ps(f + (2 * p + 1) * 8, _mm256_cvtepi32_ps(odd));
+            }
         }
     }
 }
 
-typedef void (*i16_group_fn)(const int16_t *, const float *, const uint8_t *, float *, int64_t,
-                             int64_t, int64_t, int64_t);
+/* Groups g and g + 1 (16 weight rows, their q in fq: two panels) against input rows j0 ..
+   j0 + MR - 1 (X as float32 in xf): each block's sum of 32 exact products is an integer below
+   2^24 in magnitude, exact in float32 whatever the order, so y is the integer path's bits.
+   Each broadcast of X serves 16 rows (two FMAs); the rows' float32 sums wait in acc. */
+#define I16_FTILE(MR)                                                                                \
+static inline __attribute__((always_inline)) void i16_ftile_##MR(int fmt, const float *xf,          \
+        const float *xs, const uint8_t *pk, const float *fq, float *y, int64_t j0, int64_t g,        \
+        int64_t N, int64_t K) {                                                                      \
+    int64_t nb = K / QK, ub = i16_unit_bytes(fmt);                                                   \
+    const uint8_t *u0 = pk + g * nb * ub, *u1 = u0 + nb * ub;                                        \
+    float acc[MR][16] __attribute__((aligned(32)));                                                  \
+    memset(acc, 0, sizeof acc);                                                                      \
+    for (int64_t b = 0; b < nb; b++, u0 += ub, u1 += ub) {                                           \
+        __m256 P0[MR], P1[MR];                                                                       \
+        UNROLL for (int j = 0; j < MR; j++) P0[j] = P1[j] = _mm256_setzero_ps();                     \
+        const float *f0 = fq + b * QK * 8, *f1 = f0 + nb * QK * 8;                                   \
+        for (int k = 0; k < QK; k++) {                                                               \
+            __m256 q0 = _mm256_load_ps(f0 + 8 * k), q1 = _mm256_load_ps(f1 + 8 * k);                 \
+            UNROLL for (int j = 0; j < MR; j++) {                                                    \
+                __m256 xv = _mm256_broadcast_ss(xf + (j0 + j) * K + b * QK + k);                     \
+                P0[j] = _mm256_fmadd_ps(q0, xv, P0[j]);                                              \
+                P1[j] = _mm256_fmadd_ps(q1, xv, P1[j]);                                              \
+            }                                                                                        \
+        }                                                                                            \
+        __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u0));                           \
+        __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u1));                           \
+        __m256 m0 = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u0 + 16)))   \
+                  : _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f));                                        \
+        __m256 m1 = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u1 + 16)))   \
+                  : _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));                                        \
+        UNROLL for (int j = 0; j < MR; j++) {                                                        \
+            const float *sx = xs + ((j0 + j) * nb + b) * 2;                                          \
+            __m256 s = _mm256_set1_ps(sx[0]), S = _mm256_set1_ps(sx[1]);                             \
+            __m256 a0 = _mm256_fmadd_ps(P0[j], _mm256_mul_ps(d0, s), _mm256_load_ps(acc[j]));        \
+            __m256 a1 = _mm256_fmadd_ps(P1[j], _mm256_mul_ps(d1, s), _mm256_load_ps(acc[j] + 8));    \
+            if (fmt != FMT_Q8_0) {                                                                   \
+                a0 = _mm256_fmadd_ps(m0, S, a0);                                                     \
+                a1 = _mm256_fmadd_ps(m1, S, a1);                                                     \
+            }                                                                                        \
+            _mm256_store_ps(acc[j], a0);                                                             \
+            _mm256_store_ps(acc[j] + 8, a1);                                                         \
+        }                                                                                            \
+    }                                                                                                \
+    UNROLL for (int j = 0; j < MR; j++) {                                                            \
+        _mm256_storeu_ps(y + (j0 + j) * N + 8 * g, _mm256_load_ps(acc[j]));                          \
+        _mm256_storeu_ps(y + (j0 + j) * N + 8 * g + 8, _mm256_load_ps(acc[j] + 8));                  \
+    }                                                                                                \
+}
+I16_FTILE(1) I16_FTILE(2) I16_FTILE(3) I16_FTILE(4)
+
+/* Groups g and g + 1 of 8 weight rows (g alone where it is the last) against all M input rows.
+   xf: X as float32 [M, K]; fq: two [nb][32][8] float32 scratch panels (from I16_FLOAT_ROWS rows
+   on, where the pair takes the float32 tiles; a lone group then the integer ones). */
+static inline __attribute__((always_inline)) void i16_group_impl(int fmt, const int16_t *xq,
+        const float *xs, const float *xf, float *fq, const uint8_t *pk, float *y, int64_t M, int64_t g,
+        int64_t N, int64_t K) {
+    int pair = g + 1 < N / 8;
+    if (M >= I16_FLOAT_ROWS && pair) {
+        i16_fpanel(fmt, pk, fq, g, K);
+        i16_fpanel(fmt, pk, fq + 8 * K, g + 1, K);
+        for (int64_t j0 = 0; j0 < M; j0 += I16_FMR) {
+            switch (M - j0 < I16_FMR ? M - j0 : I16_FMR) {
+                case 1: i16_ftile_1(fmt, xf, xs, pk, fq, y, j0, g, N, K); break;
+                case 2: i16_ftile_2(fmt, xf, xs, pk, fq, y, j0, g, N, K); break;
+                case 3: i16_ftile_3(fmt, xf, xs, pk, fq, y, j0, g, N, K); break;
+                default: i16_ftile_4(fmt, xf, xs, pk, fq, y, j0, g, N, K); break;
+            }
+        }
+        return;
+    }
+    for (int64_t gg = g; gg < g + 1 + pair; gg++)
+        for (int64_t j0 = 0; j0 < M; j0 += I16_MR) {
+            switch (M - j0 < I16_MR ? M - j0 : I16_MR) {
+                case 1: i16_tile_1(fmt, xq, xs, pk, y, j0, gg, N, K); break;
+                case 2: i16_tile_2(fmt, xq, xs, pk, y, j0, gg, N, K); break;
+                case 3: i16_tile_3(fmt, xq, xs, pk, y, j0, gg, N, K); break;
+                default: i16_tile_4(fmt, xq, xs, pk, y, j0, gg, N, K); break;
+            }
+        }
+}
+
+typedef void (*i16_group_fn)(const int16_t *, const float *, const float *, float *, const uint8_t *,
+                             float *, int64_t, int64_t, int64_t, int64_t);
 #define I16_GROUP_FN(F)                                                                              \
-static void i16_group_##F(const int16_t *xq, const float *xs, const uint8_t *pk, float *y, int64_t M, \
-                          int64_t g, int64_t N, int64_t K) {                                         \
-    i16_group_impl(FMT_##F, xq, xs, pk, y, M, g, N, K);                                             \
+static void i16_group_##F(const int16_t *xq, const float *xs, const float *xf, float *fq,           \
+                          const uint8_t *pk, float *y, int64_t M, int64_t g, int64_t N, int64_t K) { \
+    i16_group_impl(FMT_##F, xq, xs, xf, fq, pk, y, M, g, N, K);                                     \
 }
 I16_GROUP_FN(Q8_0)
 I16_GROUP_FN(Q4_0)
@@ -736,26 +844,43 @@ int gguf_linear_i16(int fmt, const float *x, const uint8_t *pk, float *y, int64_
                     : fmt == FMT_Q4_1 ? i16_group_Q4_1 : 0;
     if (fn == 0 || N % 8 || K % QK) return -1;
     if (M == 0) return 0;
+    int floats = M >= I16_FLOAT_ROWS;
     int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * M * K);
     float *xs = (float *)malloc(sizeof(float) * 2 * M * (K / QK));
-    if (!xq || !xs) {
+    float *xf = floats ? (float *)malloc(sizeof(float) * M * K) : 0;
+    if (!xq || !xs || (floats && !xf)) {
         free(xq);
         free(xs);
+        free(xf);
         return -2;
     }
-    i16_input(x, xq, xs, M, K);
-    /* guided: long runs of consecutive groups first (a stream the prefetchers follow), then
-       shorter ones, so a preempted thread's share is taken over by the other */
-    #pragma omp parallel for schedule(guided)
-    for (int64_t g = 0; g < N / 8; g++) fn(xq, xs, pk, y, M, g, N, K);
+    i16_input(x, xq, xs, M, K, i16_bits(fmt));
+    if (floats)
+        for (int64_t i = 0; i < M * K; i++) xf[i] = (float)xq[i];
+    int failed = 0;
+    #pragma omp parallel
+    {
+        float *fq = floats ? (float *)aligned_alloc(64, sizeof(float) * 16 * K) : 0;
+        if (floats && !fq) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        /* guided: long runs of consecutive groups first (a stream the prefetchers follow),
+           then shorter ones, so a preempted thread's share is taken over by the other */
+        #pragma omp for schedule(guided)
+        for (int64_t g = 0; g < N / 8; g += 2)  /* pairs of groups: 16 rows */
+            if (!floats || fq) fn(xq, xs, xf, fq, pk, y, M, g, N, K);
+        free(fq);
+    }
     free(xq);
     free(xs);
-    return 0;
+    free(xf);
+    return failed ? -2 : 0;
 }
 
-/* The input as gguf_linear_i16 rounds it: float32 [M, K] (X * s per block; tests). */
-int gguf_input_i16(const float *x, float *out, int64_t M, int64_t K) {
-    if (K % QK) return -1;
+/* The input as gguf_linear_i16 rounds it for format fmt: float32 [M, K] (X * s per block; tests). */
+int gguf_input_i16(int fmt, const float *x, float *out, int64_t M, int64_t K) {
+    if (K % QK || !i16_unit_bytes(fmt)) return -1;
     int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * M * K + 2);
     float *xs = (float *)malloc(sizeof(float) * 2 * M * (K / QK) + 4);
     if (!xq || !xs) {
@@ -763,7 +888,7 @@ int gguf_input_i16(const float *x, float *out, int64_t M, int64_t K) {
         free(xs);
         return -2;
     }
-    i16_input(x, xq, xs, M, K);
+    i16_input(x, xq, xs, M, K, i16_bits(fmt));
     for (int64_t i = 0; i < M * K; i++) out[i] = (float)xq[i] * xs[(i / QK) * 2];
     free(xq);
     free(xs);

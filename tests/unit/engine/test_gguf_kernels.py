@@ -307,42 +307,46 @@ def test_amx_swiglu_gives_silu_mul_of_the_bfloat16_gate_up_output_bit_for_bit(am
         gguf_kernels.gemm_bf16_amx_swiglu(amxlib, x, odd, 48)
 
 
-def test_the_16_bit_input_keeps_15_bits_of_each_blocks_largest(glib):
+@pytest.mark.parametrize("kind", gguf_kernels.I16_FORMATS)
+def test_the_16_bit_input_keeps_15_bits_of_each_blocks_largest(glib, kind):
+    bits = 12 if kind == "Q8_0" else 15  # Q8_0: its block sums stay exact in float32 too
     g = torch.Generator().manual_seed(7)
     scale = torch.tensor([1e-3, 1.0, 300.0, 2.0 ** -100]).repeat_interleave(32)  # per block of 32
     x = torch.randn(3, 128, generator=g) * scale
     x[1, 64:96] = 0.0  # an all-zero block
     x[2, 32:64] = torch.arange(32.0) - 16  # small integers: on the grid already
-    r = gguf_kernels.input_i16(glib, x)
+    r = gguf_kernels.input_i16(glib, x, kind)
     for blk in range(4):
         a, b = x[:, 32 * blk:32 * (blk + 1)], r[:, 32 * blk:32 * (blk + 1)]
         top = a.abs().amax(dim=1, keepdim=True)
-        # s = 2^(e - 15) where top < 2^e: the smallest power of two that keeps |X| < 2^15
-        s = torch.where(top > 0, torch.exp2(torch.floor(torch.log2(top)) + 1 - 15), torch.ones_like(top))
+        # s = 2^(e - bits) where top < 2^e: the smallest power of two that keeps |X| < 2^bits
+        s = torch.where(top > 0, torch.exp2(torch.floor(torch.log2(top)) + 1 - bits), torch.ones_like(top))
         assert torch.equal(b / s, torch.round(b / s)), blk  # X * s, X integer
-        assert ((b / s).abs() <= 32767).all()
+        assert ((b / s).abs() <= 2 ** bits).all()
         assert ((a - b).abs() <= s / 2).all(), blk  # to nearest
     assert torch.equal(r[1, 64:96], x[1, 64:96]) and torch.equal(r[2, 32:64], x[2, 32:64])
     with pytest.raises(ValueError, match="input_i16 rejected"):
-        gguf_kernels.input_i16(glib, torch.randn(2, 48))
+        gguf_kernels.input_i16(glib, torch.randn(2, 48), kind)
 
 
 @pytest.mark.parametrize("kind", gguf_kernels.I16_FORMATS)
 def test_i16_kernel_is_the_files_weights_times_the_rounded_input(glib, kind):
-    # N = 40: five groups of 8 rows; M up to 9: tiles of 4 input rows and each remainder
+    # N = 40: five groups of 8 rows (two pairs and one alone); M up to 14: the integer tiles of
+    # up to 4 input rows (to 11 rows), then the float32 ones over pairs of groups
     w = blocks(kind, 40, 256, seed=3)
     packed = gguf_kernels.pack_i16(glib, w)
     assert packed.shape == w.blocks.shape and packed.dtype == torch.uint8
-    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4)) * 3
+    x = torch.randn(14, 256, generator=torch.Generator().manual_seed(4)) * 3
     full = gguf_kernels.linear_i16(glib, x, packed, w)
-    ref = gguf_kernels.input_i16(glib, x).double() @ w.dequantize().double().T
+    ref = gguf_kernels.input_i16(glib, x, kind).double() @ w.dequantize().double().T
     # only float32 rounding of each block's two scalings and the row's sum: the weights are
-    # the file's, the products exact
+    # the file's, the block sums exact
     torch.testing.assert_close(full.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
     exact = x.double() @ w.dequantize().double().T  # and the input's rounding stays small
-    torch.testing.assert_close(full.double(), exact, rtol=0, atol=2e-4 * exact.abs().max().item())
-    for m in range(1, 10):  # a row's result is the same bits whatever else is in the batch
-        for at in (0, 9 - m):
+    tol = 2e-3 if kind == "Q8_0" else 2e-4
+    torch.testing.assert_close(full.double(), exact, rtol=0, atol=tol * exact.abs().max().item())
+    for m in range(1, 15):  # a row's result is the same bits whatever else is in the batch
+        for at in (0, 14 - m):
             part = gguf_kernels.linear_i16(glib, x[at:at + m], packed, w)
             assert torch.equal(part, full[at:at + m]), (m, at)
     assert gguf_kernels.linear_i16(glib, x[:0], packed, w).shape == (0, 40)
@@ -463,6 +467,28 @@ def test_default_mode_takes_16_bit_decode_inputs_where_bfloat16_is_not_native(tm
     assert not torch.equal(a, b)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
     assert oracle.runner_greedy(default, prompt, 16) == oracle.runner_greedy(exact, prompt, 16)
+
+
+def test_default_decode_tokens_do_not_depend_on_how_many_decode_together(tmp_path):
+    # 14 sequences decoding in one batch (the 16-bit kernel's float32 tiles from 12 rows on)
+    # against each alone (its integer tiles): the same greedy tokens
+    from services.engine.interface import Batch, SamplingParams, SeqChunk
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(0), "Q4_1", tokenizer=True)
+    r = ModelRunner(path, num_blocks=256, num_threads=2, quantization="auto")
+    prompts = [[5 + i, 17, 33 + 2 * i, 42, 61 - i, 7] for i in range(14)]
+    alone = [oracle.runner_greedy(r, p, 10, seq_id=100 + i) for i, p in enumerate(prompts)]
+    g = SamplingParams()
+    tables = {i: list(range(16 * i, 16 * i + 2)) for i in range(14)}
+    out = r.execute(Batch([SeqChunk(i, p, 0, tables[i], True, g, p) for i, p in enumerate(prompts)]))
+    toks = {i: [out.sampled[i].token_id] for i in range(14)}
+    for step in range(9):
+        chunks = [SeqChunk(i, [toks[i][-1]], len(p) + step, tables[i], True, g, p, toks[i])
+                  for i, p in enumerate(prompts)]
+        out = r.execute(Batch(chunks))
+        for i in range(14):
+            toks[i].append(out.sampled[i].token_id)
+    r.execute(Batch([], finished_seq_ids=list(range(14))))
+    assert [toks[i] for i in range(14)] == alone
 
 
 def test_float_weights_fall_back_to_int8(tmp_path):
