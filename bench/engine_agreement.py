@@ -5,9 +5,10 @@
 On the oracle prompts of tests/integration/engine_model (plain, chat, code, multilingual,
 list, a 1,000-token prompt prefilled in 256-token chunks), 64 greedy tokens from:
   exact             --exact: float32 weights dequantized from the file, float32 KV cache
-  default           the service's defaults: the file's own blocks (in bfloat16 arithmetic where
-                    the CPU has AVX512-BF16, prompt chunks of 32+ rows in bfloat16 where it
-                    multiplies bfloat16 natively), float16 KV cache
+  default           the service's defaults: the file's own blocks (decode rows in bfloat16
+                    arithmetic where the CPU has AVX512-BF16, else with their input in 16-bit
+                    fixed point; prompt chunks of 32+ rows in bfloat16 where it multiplies
+                    bfloat16 natively), float16 KV cache
   blocks_float32    the file's own blocks in float32 arithmetic, float32 KV cache (summation
                     order the only difference)
 For each mode and prompt: the first position where its tokens leave the exact path, the
