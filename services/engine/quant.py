@@ -39,11 +39,11 @@ one row 7.7 vs 6.7 ms, 2 rows 7.9 vs 8.6, 8 rows 7.4 vs 18.5, 32 rows 21.6 vs 73
 vs 309).
 Where there is no AVX512-BF16 build ("auto" on AVX2 CPUs, or "int16"), the decode rows of
 Q4_0, Q4_1 and Q8_0 matrices with rows in eights take gguf_linear.c's gguf_linear_i16: the
-file's exact weights, the input rounded per block of 32 to 16-bit fixed point (15 bits of the
-block's largest, where bfloat16 keeps 8 of each number), each block's products summed exactly
-in integers (laid out 8 rows at a time at load, a second copy the size of the blocks); prompt
-rows stay in float32 on the blocks. SmolLM2's 3072x576 Q4_1 matrix on a 2-core AMD EPYC (Zen 1)
-at one row: 233 -> 82 us; 16 rows 1.1x and 64 rows 1.4x float32's time (its panel GEMM).
+file's exact weights, the input rounded per block of 32 to fixed point (15 bits of the block's
+largest, Q8_0 12, where bfloat16 keeps 8 of each number), each block's products summed exactly
+(laid out 8 rows at a time at load, a second copy the size of the blocks); prompt rows stay in
+float32 on the blocks. SmolLM2's 3072x576 Q4_1 matrix on a 2-core AMD EPYC (Zen 1) at one
+row: 233 -> 84 us; from 12 rows (the same bits from float32 FMAs) 1.12-1.3x float32's time.
 Either way a row's result does not depend on the rest of the batch, so speculative and plain
 greedy decoding give the same tokens. Greedy agreement with the float32 reference:
 bench/engine_agreement.py and bench/engine_cpu.py.
