@@ -136,11 +136,26 @@ _GGUF_GLOBAL_NAMES = {"token_embd": "embed", "output_norm": "norm", "output": "l
 _LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "embed")
 
 
+def _gguf_reader(path: Path):
+    """gguf-py's reader over a plain array view of its memory map: it reads the metadata (a
+    49,152-token vocabulary and its merges: ~1.2M small slices) by slicing the map, and each
+    slice of a numpy memmap runs the subclass's hooks. The same fields and tensors, still
+    mapped, not copied; SmolLM2's file on a 2-core Zen 1: 5.7 -> 2.2 s."""
+    import gguf  # only needed for GGUF models
+
+    class Reader(gguf.GGUFReader):
+        def _build_fields(self, offs: int, count: int) -> int:
+            self.data = self.data.view(np.ndarray)
+            return super()._build_fields(offs, count)
+
+    return Reader(path)
+
+
 def _load_gguf(path: Path, progress: Progress | None, keep_blocks: bool = False) -> LoadedWeights:
     import gguf  # only needed for GGUF models
 
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _gguf_reader(path)
     except Exception as e:  # the reader raises assorted errors on truncated or corrupt files
         raise ModelLoadError(path, f"corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
 
