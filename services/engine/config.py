@@ -17,8 +17,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # the CPU (the GGUF kernels and the exact mode compute in float32).
 COMPUTE_DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8")  # what each means: services/engine/quant.py
-PREFILL_DTYPES = ("auto", "bfloat16", "float32")  # likewise
-DECODE_DTYPES = (*PREFILL_DTYPES, "int16")  # likewise
+PREFILL_DTYPES = ("auto", "bfloat16", "float32", "int16")  # likewise
+DECODE_DTYPES = PREFILL_DTYPES  # likewise
 
 
 @dataclass(frozen=True)
@@ -40,11 +40,15 @@ class EngineConfig:
     # memory and decode reads.
     kv_cache_dtype: str | None = None
     # Prompt rows of a step: "auto" multiplies them in bfloat16 where the CPU does so natively
-    # (a bfloat16 copy of the GGUF weights, 2 bytes a weight); "float32": the file's blocks.
+    # (a bfloat16 copy of the GGUF weights, 2 bytes a weight), else as the decode rows' int16
+    # where this CPU's integer multiplies are the faster (quant.prefill_in_int16), else
+    # "float32": the file's blocks.
     prefill_dtype: str = "auto"
     # Every other row the GGUF blocks are multiplied with (decode rows, drafts, short prompt
     # chunks): "auto" is bfloat16 arithmetic where the kernels have an AVX512-BF16 build for
-    # this CPU (the blocks rounded to bfloat16 as they are read), else float32.
+    # this CPU (the blocks rounded to bfloat16 as they are read), else "int16" (the input in
+    # 16-bit fixed point per block of 32, the file's exact weights); "float32": the file's
+    # exact weights times the float32 input.
     decode_dtype: str = "auto"
     # CUDA: run every step op by op, without CUDA graphs, and without overlapping the host's
     # work with the device's (debugging); no effect on the CPU.

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.engine import cpu_kernels
+from services.engine import cpu_kernels, isa
 from tokenserve.runtime.logging import get_logger
 
 log = get_logger(component="engine.gguf_kernels")
@@ -56,6 +56,24 @@ INTERLEAVED_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 I16_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 
+# Where int16_multiplies_fast() is False, gguf_linear_i16 forms its block sums with float32 FMAs
+# from this many input rows on (the same bits)
+I16_FLOAT_ROWS = 12
+
+
+def int16_multiplies_fast(model: tuple[str, int] | None = None) -> bool:
+    """Whether this CPU multiplies 16-bit integers (VPMADDWD) faster than float32 (FMA) for the
+    same products: not on AMD family 17h (Zen 1, Zen+, Zen 2) or Hygon's 18h (Zen 1), which
+    issue at most one 256-bit VPMADDWD a cycle, the products of two 8-lane FMAs (on a Zen 1
+    EPYC from 12 rows the integer tiles took 1.3-1.8x float32's time, the float32 tiles
+    1.1-1.3x; measured before the integer tiles stopped spilling, and not since). Elsewhere two
+    VPMADDWD a cycle beside adds on a third port (Intel since Haswell, Zen 3 on): on a Xeon
+    under the AVX2 cap, SmolLM2's matrices at 11 to 1,024 rows 1.1-1.5x faster than float32.
+    model: (vendor_id, cpu family), default this CPU's (isa.cpu_model)."""
+    vendor, family = isa.cpu_model() if model is None else model
+    return not ((vendor == "AuthenticAMD" and family == 0x17) or (vendor == "HygonGenuine" and family == 0x18))
+
+
 def runnable_isas() -> list[str]:
     """The ISAs of `ISAS` this CPU runs, best first."""
     have = cpu_kernels.cpu_flags()
@@ -86,6 +104,10 @@ def load(isa: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL |
         lib.gguf_pack_i16.argtypes = lib.gguf_dequantize.argtypes
         lib.gguf_linear_i16.argtypes = lib.gguf_linear.argtypes
         lib.gguf_input_i16.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.gguf_i16_float_rows.restype = ctypes.c_int64
+        lib.gguf_i16_float_rows.argtypes = [ctypes.c_int64]
+        # the same bits either way: float32 tiles from 12 rows where integer multiplies are slow
+        lib.gguf_i16_float_rows(0 if int16_multiplies_fast() else I16_FLOAT_ROWS)
         if hasattr(lib, "gguf_linear_bf16"):  # the avx512bf16 build
             lib.gguf_linear_bf16.restype = ctypes.c_int
             lib.gguf_linear_bf16.argtypes = lib.gguf_linear.argtypes

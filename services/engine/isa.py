@@ -63,6 +63,28 @@ def hardware_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_model(text: str | None = None) -> tuple[str, int]:
+    """(vendor_id, cpu family) as /proc/cpuinfo (or `text` in its format) gives them, ("", 0)
+    where unreadable: a few kernels pick between paths of the same bits by how fast a CPU
+    family runs them."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "", 0
+    vendor, family = "", 0
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "vendor_id" and not vendor:
+            vendor = value.strip()
+        elif key == "cpu family" and not family:
+            family = int(value) if value.strip().isdigit() else 0
+        if vendor and family:
+            break
+    return vendor, family
+
+
 def capped(flags: frozenset[str], level: str) -> frozenset[str]:
     """`flags` less those above `level`."""
     dropped = _DROPPED[level]

@@ -65,7 +65,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--prefill-dtype", default="auto", choices=PREFILL_DTYPES,
                    help="prompt rows of a step: auto (default) multiplies them in bfloat16 where"
                         " the CPU does so natively (AMX or AVX512-BF16; keeps a bfloat16 copy of"
-                        " the GGUF weights), float32 on the file's own blocks")
+                        " the GGUF weights), else int16 where the decode rows take it and it is"
+                        " the faster on this CPU (AVX2-only CPUs but AMD Zen 1/2), else float32"
+                        " on the file's own blocks")
     p.add_argument("--decode-dtype", default="auto", choices=DECODE_DTYPES,
                    help="the other rows (decodes, drafts, short prompt chunks), always multiplied"
                         " on the file's own blocks: auto (default) in bfloat16 arithmetic where the"
@@ -123,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     a = p.parse_args(argv)
     if a.exact:
         if (a.quantization not in ("auto", "none") or a.dtype not in ("auto", "float32")
-                or a.kv_cache_dtype not in (None, "float32") or a.prefill_dtype == "bfloat16"
+                or a.kv_cache_dtype not in (None, "float32") or a.prefill_dtype in ("bfloat16", "int16")
                 or a.decode_dtype in ("bfloat16", "int16")):
             p.error("--exact is float32 without quantization: drop --quantization/--dtype/"
                     "--kv-cache-dtype/--prefill-dtype/--decode-dtype")

@@ -32,7 +32,7 @@ class LlamaModel:
     def __init__(self, loaded: LoadedWeights, *, dtype: torch.dtype = torch.float32,
                  quantization: str = "none", device: str = "cpu", fused_kernels: bool = True,
                  prefill_bf16: bool = False, decode_bf16: bool = False, decode_i16: bool = False,
-                 decode_attention: str = "auto"):
+                 prefill_i16: bool = False, decode_attention: str = "auto"):
         c = self.config = loaded.config
         t = loaded.tensors
         self.dtype, self.device = dtype, device
@@ -52,7 +52,8 @@ class LlamaModel:
                 fused = torch.cat([t[n] if n in t else loaded.quantized[n].dequantize() for n in names])
             return make_linear(fused, quantization=quantization, dtype=dtype, device=device,
                                kernels=fused_kernels, prefill_bf16=prefill_bf16 and prefill,
-                               decode_bf16=decode_bf16, decode_i16=decode_i16)
+                               decode_bf16=decode_bf16, decode_i16=decode_i16,
+                               prefill_i16=prefill_i16 and prefill)
 
         self.embed = dense(t["embed"])  # [V, E]
         # logits are taken for a few rows a step: the head never needs a prefill copy

@@ -41,9 +41,13 @@ Where there is no AVX512-BF16 build ("auto" on AVX2 CPUs, or "int16"), the decod
 Q4_0, Q4_1 and Q8_0 matrices with rows in eights take gguf_linear.c's gguf_linear_i16: the
 file's exact weights, the input rounded per block of 32 to fixed point (15 bits of the block's
 largest, Q8_0 12, where bfloat16 keeps 8 of each number), each block's products summed exactly
-(laid out 8 rows at a time at load, a second copy the size of the blocks); prompt rows stay in
-float32 on the blocks. SmolLM2's 3072x576 Q4_1 matrix on a 2-core AMD EPYC (Zen 1) at one
-row: 233 -> 84 us; from 12 rows (the same bits from float32 FMAs) 1.12-1.3x float32's time.
+(laid out 8 rows at a time at load, a second copy the size of the blocks). SmolLM2's 3072x576
+Q4_1 matrix on a 2-core AMD EPYC (Zen 1) at one row: 233 -> 84 us; from 12 rows (the same bits
+from float32 FMAs) 1.12-1.3x float32's time. On a 2-core AMX Xeon under the AVX2 cap: one row
+2.4x faster than float32, 2 to 8 rows 1.9-2.1x, 11 to 1,024 rows 1.1-1.5x. So prompt rows
+there take it as well ("auto": `prefill_in_int16`, where the decode rows do, on the AVX2 build,
+except on AMD Zen 1/2, whose integer multiplies are slow: there they stay float32 on the
+blocks); a 16 x 64-token burst's first tokens 13% sooner than with float32 prompt rows.
 Either way a row's result does not depend on the rest of the batch, so speculative and plain
 greedy decoding give the same tokens. Greedy agreement with the float32 reference:
 bench/engine_agreement.py and bench/engine_cpu.py.
@@ -75,6 +79,26 @@ def prefill_in_bfloat16(prefill_dtype: str, device: str) -> bool:
     if prefill_dtype == "auto":
         return device == "cpu" and native_bfloat16()
     return prefill_dtype == "bfloat16"
+
+
+def prefill_in_int16(prefill_dtype: str, device: str, decode_int16: bool = True) -> bool:
+    """Whether prompt rows take the 16-bit-input kernel (gguf_linear_i16): prefill_dtype
+    "int16", or "auto" where the decode rows do (`decode_int16`), the CPU has no native
+    bfloat16, the kernels' build is the AVX2 one (an AVX-512 build's float32 runs on 16 lanes)
+    and its integer multiplies are the faster (gguf_kernels.int16_multiplies_fast); raises
+    ValueError for "int16" where the kernels cannot be built here."""
+    if prefill_dtype not in PREFILL_DTYPES:
+        raise ValueError(f"prefill_dtype must be one of {PREFILL_DTYPES}, got {prefill_dtype!r}")
+    if prefill_dtype in ("float32", "bfloat16") or device != "cpu":
+        return False
+    lib = gguf_kernels.load()
+    if prefill_dtype == "int16":
+        if lib is None:
+            raise ValueError("prefill_dtype int16 needs a CPU with AVX2, FMA and F16C and a C compiler"
+                             " (the GGUF kernels); use auto or float32")
+        return True
+    return (decode_int16 and lib is not None and not native_bfloat16() and lib.gguf_isa().decode() == "avx2"
+            and gguf_kernels.int16_multiplies_fast())
 
 
 def decode_in_int16(decode_dtype: str, device: str) -> bool:
@@ -162,10 +186,10 @@ class GGUFLinear:
     rows (see the module docstring)."""
 
     __slots__ = ("weight", "out_dtype", "_lib", "_bf16", "_gemm", "_decode_bf16", "_il", "_amx", "_interleaved",
-                 "_i16")
+                 "_i16", "_decode_i16", "_prefill_i16")
 
     def __init__(self, weight: GGUFWeight, out_dtype: torch.dtype, lib, prefill_bf16: bool = False,
-                 decode_bf16: bool = False, decode_i16: bool = False):
+                 decode_bf16: bool = False, decode_i16: bool = False, prefill_i16: bool = False):
         self.weight, self.out_dtype, self._lib, self._decode_bf16 = weight, out_dtype, lib, decode_bf16
         # the bfloat16 copy for prompt rows: AMX tiles (_gemm: the library that multiplies them)
         # or oneDNN's layout
@@ -182,18 +206,34 @@ class GGUFLinear:
         self._il = gguf_kernels.load_interleaved() if decode_bf16 else None
         self._amx = gguf_kernels.interleaved_amx(self._il)  # the same arithmetic, on AMX tiles
         self._interleaved = gguf_kernels.pack_interleaved(self._il, weight) if self._il is not None else None
-        # decode rows of Q4_0/Q4_1/Q8_0 with the input in 16-bit fixed point (gguf_linear_i16),
-        # on the exact weights laid out 8 rows at a time; prompt rows stay in float32
-        self._i16 = gguf_kernels.pack_i16(lib, weight) if decode_i16 and not decode_bf16 else None
+        # decode rows (with prefill_i16 also prompt rows) of Q4_0/Q4_1/Q8_0 with the input in
+        # 16-bit fixed point (gguf_linear_i16), on the exact weights laid out 8 rows at a time
+        decode_i16 = decode_i16 and not decode_bf16
+        self._i16 = gguf_kernels.pack_i16(lib, weight) if decode_i16 or prefill_i16 else None
+        self._decode_i16 = decode_i16 and self._i16 is not None
+        self._prefill_i16 = prefill_i16 and self._i16 is not None and self._bf16 is None
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ w.T on the file's blocks for decode rows (and short prompt chunks, except with the
-        16-bit-input kernel, whose prompt rows take `_file_blocks`)."""
+        """x @ w.T on the file's blocks for decode rows (and short prompt chunks, except beside
+        16-bit-input decode rows: `_prompt_path`)."""
         if self._interleaved is not None:
             return gguf_kernels.linear_interleaved(self._il, x, self._interleaved, self.weight, self._amx)
-        if self._i16 is not None:
-            return gguf_kernels.linear_i16(self._lib, x, self._i16, self.weight)
+        if self._decode_i16:
+            return self._int16_rows(x)
         return self._file_blocks(x)
+
+    def _int16_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return gguf_kernels.linear_i16(self._lib, x, self._i16, self.weight)
+
+    def _prompt_path(self, rows: int):
+        """What multiplies a step's `rows` prompt rows: the bfloat16 copy (from PREFILL_MIN_ROWS
+        rows), the 16-bit-input kernel (prefill_i16), float32 on the file's blocks beside
+        16-bit-input decode rows, else the decode rows' own path (`_blocks`)."""
+        if self._bf16 is not None and rows >= PREFILL_MIN_ROWS:
+            return self._prompt_rows
+        if self._prefill_i16:
+            return self._blocks if self._decode_i16 else self._int16_rows
+        return self._file_blocks if self._decode_i16 else self._blocks
 
     def _file_blocks(self, x: torch.Tensor) -> torch.Tensor:
         return gguf_kernels.linear(self._lib, x, self.weight, self._decode_bf16)
@@ -205,7 +245,7 @@ class GGUFLinear:
         code = gguf_kernels.FORMATS[self.weight.kind][0]
         if self._interleaved is not None:
             fn, w = gguf_kernels.interleaved_kernel(self._il, self._amx), self._interleaved
-        elif self._i16 is not None:
+        elif self._decode_i16:
             fn, w = self._lib.gguf_linear_i16, self._i16
         else:
             fn = self._lib.gguf_linear_bf16 if self._decode_bf16 else self._lib.gguf_linear
@@ -263,17 +303,13 @@ class GGUFLinear:
             y = self._prompt_rows(x)
             return y if bf16_out or self.out_dtype == torch.bfloat16 else y.to(self.out_dtype)
         x = x.float()
-        bf16_prompt = self._bf16 is not None and prefill_rows >= PREFILL_MIN_ROWS
-        if not bf16_prompt and (self._i16 is None or prefill_rows == 0):
-            y = self._blocks(x)
-        else:  # prompt rows on their own path: the bfloat16 copy, or float32 beside int16 decodes
-            prompt = self._prompt_rows if bf16_prompt else self._file_blocks
-            if prefill_rows == x.shape[0]:
-                y = prompt(x)
-            else:
-                y = torch.empty((x.shape[0], self.weight.shape[0]), dtype=torch.float32)
-                y[:prefill_rows] = prompt(x[:prefill_rows])
-                y[prefill_rows:] = self._blocks(x[prefill_rows:])
+        prompt = self._prompt_path(prefill_rows) if prefill_rows else self._blocks
+        if prompt == self._blocks or prefill_rows == x.shape[0]:
+            y = prompt(x)
+        else:  # prompt rows on a path of their own
+            y = torch.empty((x.shape[0], self.weight.shape[0]), dtype=torch.float32)
+            y[:prefill_rows] = prompt(x[:prefill_rows])
+            y[prefill_rows:] = self._blocks(x[prefill_rows:])
         return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
 
     def swiglu_rows(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -312,16 +348,17 @@ def _bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def make_linear(weight: torch.Tensor | GGUFWeight, *, quantization: str, dtype: torch.dtype,
                 device: str, kernels: bool = True, prefill_bf16: bool = False,
-                decode_bf16: bool = False, decode_i16: bool = False):
+                decode_bf16: bool = False, decode_i16: bool = False, prefill_i16: bool = False):
     """weight: float [out, in], or a GGUF file's blocks (quantization "auto").
     kernels=False: torch ops only (the eager switch, for debugging and comparison).
     prefill_bf16: GGUF linears keep a bfloat16 copy for prompt rows (`prefill_in_bfloat16`).
     decode_bf16: their other rows in bfloat16 arithmetic (`decode_in_bfloat16`).
-    decode_i16: their decode rows with the input in 16-bit fixed point (`decode_in_int16`)."""
+    decode_i16: their decode rows with the input in 16-bit fixed point (`decode_in_int16`).
+    prefill_i16: their prompt rows likewise (`prefill_in_int16`)."""
     if isinstance(weight, GGUFWeight):
         lib = gguf_kernels.load() if kernels and device == "cpu" and quantization == "auto" else None
         if lib is not None:
-            return GGUFLinear(weight, dtype, lib, prefill_bf16, decode_bf16, decode_i16)
+            return GGUFLinear(weight, dtype, lib, prefill_bf16, decode_bf16, decode_i16, prefill_i16)
         # torch: the file's numbers, dequantized once
         return DenseLinear(weight.dequantize().to(device=device, dtype=dtype).contiguous())
     if quantization == "auto":  # float weights: int8 where the AVX2 kernel runs, else dense

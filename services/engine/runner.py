@@ -26,7 +26,8 @@ from services.engine.device import to_device
 from services.engine.interface import Batch, RunnerOutput, SeqChunk
 from services.engine.loader import LoadedWeights, ModelLoadError, load_weights
 from services.engine.model import LlamaModel
-from services.engine.quant import QUANTIZATIONS, decode_in_bfloat16, decode_in_int16, prefill_in_bfloat16
+from services.engine.quant import (QUANTIZATIONS, decode_in_bfloat16, decode_in_int16, prefill_in_bfloat16,
+                                   prefill_in_int16)
 from services.engine.sampler import PendingTokens, Sampler
 from tokenserve.runtime.logging import get_logger
 
@@ -99,6 +100,8 @@ class ModelRunner:
                        and decode_in_bfloat16(decode_dtype, device))
         decode_i16 = (quantization == "auto" and kernels and not decode_bf16
                       and decode_in_int16(decode_dtype, device))
+        prefill_i16 = (quantization == "auto" and kernels and not prefill_bf16
+                       and prefill_in_int16(prefill_dtype, device, decode_i16))
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         if on_cuda:  # graph capture and replay, Triton launches: all on the engine's device
@@ -114,7 +117,7 @@ class ModelRunner:
                 self.model = LlamaModel(loaded, dtype=DTYPES[dtype], quantization=quantization,
                                         device=device, fused_kernels=kernels,
                                         prefill_bf16=prefill_bf16, decode_bf16=decode_bf16,
-                                        decode_i16=decode_i16,
+                                        decode_i16=decode_i16, prefill_i16=prefill_i16,
                                         decode_attention=decode_attention)
         except ValueError as e:  # e.g. an unsupported rope scaling
             raise ModelLoadError(model_path, str(e)) from e
@@ -123,6 +126,10 @@ class ModelRunner:
         self.device, self.dtype, self.quantization = device, dtype, quantization
         self.asynchronous = on_cuda
         self.kv_cache_dtype = kv_cache_dtype
+        # what the GGUF blocks' prompt and decode rows are multiplied in (quantization "auto")
+        self.block_arithmetic = {
+            "prefill": "bfloat16" if prefill_bf16 else "int16" if prefill_i16 else "float32",
+            "decode": "bfloat16" if decode_bf16 else "int16" if decode_i16 else "float32"}
         self.block_size = block_size
         self.vocab_size = c.vocab_size
         self.eos_token_ids = tuple(c.eos_token_ids)
@@ -158,7 +165,7 @@ class ModelRunner:
         log.info("runner_ready", model=self.model_name, dtype=dtype, quantization=quantization,
                  decode_row_tile=self.decode_row_tile,
                  kv_cache_dtype=kv_cache_dtype, prefill_bfloat16=prefill_bf16,
-                 decode_bfloat16=decode_bf16, decode_int16=decode_i16,
+                 decode_bfloat16=decode_bf16, decode_int16=decode_i16, prefill_int16=prefill_i16,
                  num_blocks=self.num_blocks, block_size=block_size, max_context=self.max_context,
                  kv_cache_mib=round(self.num_blocks * per_block / 2**20, 1),
                  decode_attention=self.model.decode_attention,

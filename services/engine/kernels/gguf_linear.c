@@ -559,18 +559,23 @@ int gguf_dequantize(int fmt, const uint8_t *w, float *out, int64_t N, int64_t K)
    the vectors as int8 (widened by VPMOVSXBW); Q4_0/Q4_1 four of them in 32 bytes of nibbles
    (i16_quad: low and high halves, bytes widened by unpacking with zero).
 
-   From I16_FLOAT_ROWS input rows on, the weights are converted once per call into float32
-   panels and the same block sums formed by FMAs (i16_ftile): each is an integer below 2^24 in
-   magnitude (Q4: 32 * 15 * 2^15; Q8_0: 32 * 128 * 2^12), exact in float32 in any order.
-   y[m, n]: per block that exact sum, times d * s (exact: s is a power of two) added to the
-   row's float32 sum by one FMA, then m * s * sum(X) by another, blocks in order: the same bits
-   for every M, tile and path, so a row's result does not depend on the rest of the batch
-   (decode rows and drafts give the same tokens alone or together; tested).
+   From I16_PANEL_ROWS input rows on (twice that where K > 1024), a pair of groups is widened
+   once per call into a 16-bit panel (i16_ipanel) that tiles of 4 input rows read (i16_ptile):
+   the same integer sums without unpacking nibbles per input row. Where VPMADDWD is slow (AMD
+   Zen 1 and 2; gguf_i16_float_rows, set by the caller), from 12 rows the weights become float32
+   panels instead and the same block sums are formed by FMAs (i16_ftile): each is an integer
+   below 2^24 in magnitude (Q4: 32 * 15 * 2^15; Q8_0: 32 * 128 * 2^12), exact in float32 in any
+   order. y[m, n]: per block that exact sum, times d * s (exact: s is a power of two) added to
+   the row's float32 sum by one FMA, then m * s * sum(X) by another, blocks in order: the same
+   bits for every M, tile and path, so a row's result does not depend on the rest of the batch
+   (decode rows and drafts give the same tokens alone or together; tested); prompt rows
+   (--prefill-dtype int16) are multiplied as decode rows are.
    Measured on a 2-core AMD EPYC (Zen 1), against gguf_linear (float32) on both threads:
    SmolLM2's 3072x576 Q4_1 matrix, one row 233 -> 84 us, 2 rows 319 -> 151, 8 rows 936 -> 552;
-   Q8_0 one row 205 -> 83. From ~12 rows float32's panel GEMM is faster (12 to 64 rows 1.12-1.3x
-   its time here: it scales each weight once per call, this path each block once per input
-   row). */
+   Q8_0 one row 205 -> 83; 12 to 64 rows on the float32 tiles 1.12-1.3x float32's time. On a
+   2-core AMX Xeon (Sapphire Rapids-class) under the AVX2 cap, against float32: one row 2.4x faster, 2 to
+   8 rows 1.9-2.1x, 11 to 1,024 rows 1.1-1.5x (the panel tiles; the float32 tiles were
+   0.8-0.9x float32 there). */
 #if defined(__AVX2__)
 #define I16_MR 4  /* input rows per tile */
 
@@ -685,7 +690,9 @@ static inline __attribute__((always_inline)) void i16_tile_##MR(int fmt, const i
         const uint8_t *pairs = u + i16_pairs_at(fmt);                                                \
         __m256i P[MR];                                                                               \
         UNROLL for (int j = 0; j < MR; j++) P[j] = _mm256_setzero_si256();                           \
-        UNROLL for (int c = 0; c < 4; c++) {                                                         \
+        /* not unrolled: unrolled, GCC computes all 16 x MR products first and spills them to  \
+           sum them as a tree (2-11 rows 1.2-1.25x slower on a Xeon under the AVX2 cap) */       \
+        _Pragma("GCC unroll 1") for (int c = 0; c < 4; c++) {                                        \
             __m256i pv[4];                                                                           \
             if (fmt == FMT_Q8_0) {                                                                   \
                 UNROLL for (int i = 0; i < 4; i++)                                                   \
@@ -713,10 +720,102 @@ static inline __attribute__((always_inline)) void i16_tile_##MR(int fmt, const i
 }
 I16_TILE(1) I16_TILE(2) I16_TILE(3) I16_TILE(4)
 
-/* From this many input rows the float32 panel path (i16_ftile): the same block sums, exact in
-   float32 too, one FMA per 8 products where the integer path needs two instructions per 16 */
-#define I16_FLOAT_ROWS 12
+/* From I16_PANEL_ROWS input rows on, a pair of groups (16 weight rows) is widened once per call
+   into 16-bit integers, ip [nb][16 pairs][2 groups][16 words] (i16_ipanel), and each tile of up
+   to I16_PMR input rows reads its pair vectors from there: no nibble unpacking per input row,
+   one broadcast of X's pair serving 16 rows (two VPMADDWD). The same exact block sums: the same
+   bits as i16_tile. */
+#define I16_PANEL_ROWS 8
+#define I16_ROW_RUN 256
+#define I16_PMR 4
+
+static inline __attribute__((always_inline)) void i16_ipanel(int fmt, const uint8_t *pk, int16_t *ip,
+                                                            int64_t g, int64_t K) {
+    int64_t nb = K / QK, ub = i16_unit_bytes(fmt);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *u = pk + (g + h) * nb * ub;
+        for (int64_t b = 0; b < nb; b++, u += ub) {
+            const uint8_t *pairs = u + i16_pairs_at(fmt);
+            UNROLL for (int c = 0; c < 4; c++) {
+                __m256i pv[4];
+                if (fmt == FMT_Q8_0) {
+                    UNROLL for (int i = 0; i < 4; i++)
+                        pv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pairs + 16 * (4 * c + i))));
+                } else {
+                    i16_quad(pairs, c, pv);
+                }
+                UNROLL for (int i = 0; i < 4; i++)
+                    _mm256_store_si256((__m256i *)(ip + ((b * 16 + 4 * c + i) * 2 + h) * 16), pv[i]);
+            }
+        }
+    }
+}
+
+/* Groups g and g + 1 (their pair vectors in ip) against input rows j0 .. j0 + MR - 1; the rows'
+   float32 sums wait in acc (L1) */
+#define I16_PTILE(MR)                                                                                \
+static inline __attribute__((always_inline)) void i16_ptile_##MR(int fmt, const int16_t *xq,        \
+        const float *xs, const uint8_t *pk, const int16_t *ip, float *y, int64_t j0, int64_t g,      \
+        int64_t N, int64_t K) {                                                                      \
+    int64_t nb = K / QK, ub = i16_unit_bytes(fmt);                                                   \
+    const uint8_t *u0 = pk + g * nb * ub, *u1 = u0 + nb * ub;                                        \
+    float acc[MR][16] __attribute__((aligned(32)));                                                  \
+    memset(acc, 0, sizeof acc);                                                                      \
+    for (int64_t b = 0; b < nb; b++, u0 += ub, u1 += ub) {                                           \
+        __m256i P0[MR], P1[MR];                                                                      \
+        UNROLL for (int j = 0; j < MR; j++) P0[j] = P1[j] = _mm256_setzero_si256();                  \
+        const int16_t *w = ip + b * 16 * 32;                                                         \
+        /* two pairs per iteration: fully unrolled, GCC would spill all the products (above) */     \
+        _Pragma("GCC unroll 2") for (int p = 0; p < 16; p++) {                                       \
+            __m256i w0 = _mm256_load_si256((const __m256i *)(w + 32 * p));                            \
+            __m256i w1 = _mm256_load_si256((const __m256i *)(w + 32 * p + 16));                       \
+            UNROLL for (int j = 0; j < MR; j++) {                                                    \
+                int32_t xp;                                                                          \
+                memcpy(&xp, xq + (j0 + j) * K + b * QK + 2 * p, 4);                                  \
+                __m256i xb = _mm256_set1_epi32(xp);                                                  \
+                P0[j] = _mm256_add_epi32(P0[j], _mm256_madd_epi16(w0, xb));                          \
+                P1[j] = _mm256_add_epi32(P1[j], _mm256_madd_epi16(w1, xb));                          \
+            }                                                                                        \
+        }                                                                                            \
+        __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u0));                           \
+        __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u1));                           \
+        __m256 m0 = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u0 + 16)))   \
+                  : _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f));                                        \
+        __m256 m1 = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u1 + 16)))   \
+                  : _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));                                        \
+        UNROLL for (int j = 0; j < MR; j++) {                                                        \
+            const float *sx = xs + ((j0 + j) * nb + b) * 2;                                          \
+            __m256 s = _mm256_set1_ps(sx[0]), S = _mm256_set1_ps(sx[1]);                             \
+            __m256 a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P0[j]), _mm256_mul_ps(d0, s), _mm256_load_ps(acc[j])); \
+            __m256 a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P1[j]), _mm256_mul_ps(d1, s), _mm256_load_ps(acc[j] + 8)); \
+            if (fmt != FMT_Q8_0) {                                                                   \
+                a0 = _mm256_fmadd_ps(m0, S, a0);                                                     \
+                a1 = _mm256_fmadd_ps(m1, S, a1);                                                     \
+            }                                                                                        \
+            _mm256_store_ps(acc[j], a0);                                                             \
+            _mm256_store_ps(acc[j] + 8, a1);                                                         \
+        }                                                                                            \
+    }                                                                                                \
+    UNROLL for (int j = 0; j < MR; j++) {                                                            \
+        _mm256_storeu_ps(y + (j0 + j) * N + 8 * g, _mm256_load_ps(acc[j]));                          \
+        _mm256_storeu_ps(y + (j0 + j) * N + 8 * g + 8, _mm256_load_ps(acc[j] + 8));                  \
+    }                                                                                                \
+}
+I16_PTILE(1) I16_PTILE(2) I16_PTILE(3) I16_PTILE(4)
+
+/* Where VPMADDWD is slow (Zen 1 and 2: one 256-bit VPMADDWD a cycle at most, no faster than
+   two FMAs), from this many input rows on the float32 panel path instead (i16_ftile): the same
+   block sums, exact in float32 too; 0 (the default): never. Set by gguf_i16_float_rows. */
+static int64_t i16_float_rows = 0;
 #define I16_FMR 4  /* input rows per float32 tile */
+
+/* Sets the row count from which gguf_linear_i16 takes its float32 tiles (0: never; below 0: no
+   change) and returns the previous one. Either way the same bits. */
+int64_t gguf_i16_float_rows(int64_t rows) {
+    int64_t old = i16_float_rows;
+    if (rows >= 0) i16_float_rows = rows;
+    return old;
+}
 
 /* Group g's q as float32, fq [nb][32][8]: element k of the block for the 8 rows (lanes) */
 static inline __attribute__((always_inline)) void i16_fpanel(int fmt, const uint8_t *pk, float *fq,
@@ -795,13 +894,15 @@ static inline __attribute__((always_inline)) void i16_ftile_##MR(int fmt, const 
 I16_FTILE(1) I16_FTILE(2) I16_FTILE(3) I16_FTILE(4)
 
 /* Groups g and g + 1 of 8 weight rows (g alone where it is the last) against all M input rows.
-   xf: X as float32 [M, K]; fq: two [nb][32][8] float32 scratch panels (from I16_FLOAT_ROWS rows
-   on, where the pair takes the float32 tiles; a lone group then the integer ones). */
+   xf: X as float32 [M, K] (where the float32 tiles run); scratch: 16 * K floats (the pair's
+   float32 panels, or its 16-bit panel in the first half). A lone group takes the unpanelled
+   integer tiles. */
 static inline __attribute__((always_inline)) void i16_group_impl(int fmt, const int16_t *xq,
-        const float *xs, const float *xf, float *fq, const uint8_t *pk, float *y, int64_t M, int64_t g,
-        int64_t N, int64_t K) {
+        const float *xs, const float *xf, float *scratch, const uint8_t *pk, float *y, int64_t M,
+        int64_t g, int64_t N, int64_t K) {
     int pair = g + 1 < N / 8;
-    if (M >= I16_FLOAT_ROWS && pair) {
+    if (pair && xf) {
+        float *fq = scratch;
         i16_fpanel(fmt, pk, fq, g, K);
         i16_fpanel(fmt, pk, fq + 8 * K, g + 1, K);
         for (int64_t j0 = 0; j0 < M; j0 += I16_FMR) {
@@ -810,6 +911,20 @@ static inline __attribute__((always_inline)) void i16_group_impl(int fmt, const 
                 case 2: i16_ftile_2(fmt, xf, xs, pk, fq, y, j0, g, N, K); break;
                 case 3: i16_ftile_3(fmt, xf, xs, pk, fq, y, j0, g, N, K); break;
                 default: i16_ftile_4(fmt, xf, xs, pk, fq, y, j0, g, N, K); break;
+            }
+        }
+        return;
+    }
+    /* a panel beyond 32 KB (K > 1024) leaves L1: there it pays from twice as many rows */
+    if (pair && M >= (K <= 1024 ? I16_PANEL_ROWS : 2 * I16_PANEL_ROWS)) {
+        int16_t *ip = (int16_t *)scratch;
+        i16_ipanel(fmt, pk, ip, g, K);
+        for (int64_t j0 = 0; j0 < M; j0 += I16_PMR) {
+            switch (M - j0 < I16_PMR ? M - j0 : I16_PMR) {
+                case 1: i16_ptile_1(fmt, xq, xs, pk, ip, y, j0, g, N, K); break;
+                case 2: i16_ptile_2(fmt, xq, xs, pk, ip, y, j0, g, N, K); break;
+                case 3: i16_ptile_3(fmt, xq, xs, pk, ip, y, j0, g, N, K); break;
+                default: i16_ptile_4(fmt, xq, xs, pk, ip, y, j0, g, N, K); break;
             }
         }
         return;
@@ -828,9 +943,9 @@ static inline __attribute__((always_inline)) void i16_group_impl(int fmt, const 
 typedef void (*i16_group_fn)(const int16_t *, const float *, const float *, float *, const uint8_t *,
                              float *, int64_t, int64_t, int64_t, int64_t);
 #define I16_GROUP_FN(F)                                                                              \
-static void i16_group_##F(const int16_t *xq, const float *xs, const float *xf, float *fq,           \
+static void i16_group_##F(const int16_t *xq, const float *xs, const float *xf, float *sc,           \
                           const uint8_t *pk, float *y, int64_t M, int64_t g, int64_t N, int64_t K) { \
-    i16_group_impl(FMT_##F, xq, xs, xf, fq, pk, y, M, g, N, K);                                     \
+    i16_group_impl(FMT_##F, xq, xs, xf, sc, pk, y, M, g, N, K);                                     \
 }
 I16_GROUP_FN(Q8_0)
 I16_GROUP_FN(Q4_0)
@@ -844,7 +959,7 @@ int gguf_linear_i16(int fmt, const float *x, const uint8_t *pk, float *y, int64_
                     : fmt == FMT_Q4_1 ? i16_group_Q4_1 : 0;
     if (fn == 0 || N % 8 || K % QK) return -1;
     if (M == 0) return 0;
-    int floats = M >= I16_FLOAT_ROWS;
+    int floats = i16_float_rows > 0 && M >= i16_float_rows, scratch = floats || M >= I16_PANEL_ROWS;
     int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * M * K);
     float *xs = (float *)malloc(sizeof(float) * 2 * M * (K / QK));
     float *xf = floats ? (float *)malloc(sizeof(float) * M * K) : 0;
@@ -860,17 +975,22 @@ int gguf_linear_i16(int fmt, const float *x, const uint8_t *pk, float *y, int64_
     int failed = 0;
     #pragma omp parallel
     {
-        float *fq = floats ? (float *)aligned_alloc(64, sizeof(float) * 16 * K) : 0;
-        if (floats && !fq) {
+        float *sc = scratch ? (float *)aligned_alloc(64, sizeof(float) * 16 * K) : 0;
+        if (scratch && !sc) {
             #pragma omp atomic write
             failed = 1;
         }
         /* guided: long runs of consecutive groups first (a stream the prefetchers follow),
            then shorter ones, so a preempted thread's share is taken over by the other */
-        #pragma omp for schedule(guided)
-        for (int64_t g = 0; g < N / 8; g += 2)  /* pairs of groups: 16 rows */
-            if (!floats || fq) fn(xq, xs, xf, fq, pk, y, M, g, N, K);
-        free(fq);
+        /* runs of I16_ROW_RUN input rows, so a run's X stays in L2 while the weights pass */
+        for (int64_t m0 = 0; m0 < M; m0 += I16_ROW_RUN) {
+            int64_t rows = M - m0 < I16_ROW_RUN ? M - m0 : I16_ROW_RUN;
+            #pragma omp for schedule(guided)
+            for (int64_t g = 0; g < N / 8; g += 2)  /* pairs of groups: 16 rows */
+                if (!scratch || sc)
+                    fn(xq + m0 * K, xs + m0 * (K / QK) * 2, xf ? xf + m0 * K : 0, sc, pk, y + m0 * N, rows, g, N, K);
+        }
+        free(sc);
     }
     free(xq);
     free(xs);

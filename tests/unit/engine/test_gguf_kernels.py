@@ -13,7 +13,7 @@ from services.engine import cpu_kernels, gguf_kernels
 from services.engine.gguf_kernels import FORMATS, ISAS, GGUFWeight
 from services.engine.loader import load_weights
 from services.engine.quant import (PREFILL_MIN_ROWS, DenseLinear, GGUFLinear, decode_in_bfloat16,
-                                     decode_in_int16, native_bfloat16, prefill_in_bfloat16)
+                                     decode_in_int16, native_bfloat16, prefill_in_bfloat16, prefill_in_int16)
 from services.engine.runner import ModelRunner
 from tests.integration.engine_model import oracle
 from tests.unit.engine import tiny_models as tm
@@ -329,14 +329,27 @@ def test_the_16_bit_input_keeps_15_bits_of_each_blocks_largest(glib, kind):
         gguf_kernels.input_i16(glib, torch.randn(2, 48), kind)
 
 
+@pytest.fixture
+def float_rows(glib):
+    """Sets the row count from which glib's gguf_linear_i16 takes its float32 tiles (0: never),
+    put back after the test."""
+    before = glib.gguf_i16_float_rows(-1)
+    yield glib.gguf_i16_float_rows
+    glib.gguf_i16_float_rows(before)
+
+
 @pytest.mark.parametrize("kind", gguf_kernels.I16_FORMATS)
-def test_i16_kernel_is_the_files_weights_times_the_rounded_input(glib, kind):
-    # N = 40: five groups of 8 rows (two pairs and one alone); M up to 14: the integer tiles of
-    # up to 4 input rows (to 11 rows), then the float32 ones over pairs of groups
-    w = blocks(kind, 40, 256, seed=3)
+@pytest.mark.parametrize("k", [256, 1088])
+def test_i16_kernel_is_the_files_weights_times_the_rounded_input(glib, float_rows, kind, k):
+    # N = 40: five groups of 8 rows (two pairs and one alone). By rows: integer tiles of up to 4
+    # input rows on the packed blocks, then (from 8 rows, from 16 where K > 1024) on a 16-bit
+    # panel of a pair of groups, in runs of 256 rows; or, where a CPU's integer multiplies are
+    # slow, float32 tiles from 12 rows. Every path, the same bits.
+    w = blocks(kind, 40, k, seed=3)
     packed = gguf_kernels.pack_i16(glib, w)
     assert packed.shape == w.blocks.shape and packed.dtype == torch.uint8
-    x = torch.randn(14, 256, generator=torch.Generator().manual_seed(4)) * 3
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(4)) * 3
+    float_rows(0)
     full = gguf_kernels.linear_i16(glib, x, packed, w)
     ref = gguf_kernels.input_i16(glib, x, kind).double() @ w.dequantize().double().T
     # only float32 rounding of each block's two scalings and the row's sum: the weights are
@@ -345,11 +358,15 @@ def test_i16_kernel_is_the_files_weights_times_the_rounded_input(glib, kind):
     exact = x.double() @ w.dequantize().double().T  # and the input's rounding stays small
     tol = 2e-3 if kind == "Q8_0" else 2e-4
     torch.testing.assert_close(full.double(), exact, rtol=0, atol=tol * exact.abs().max().item())
-    for m in range(1, 15):  # a row's result is the same bits whatever else is in the batch
-        for at in (0, 14 - m):
-            part = gguf_kernels.linear_i16(glib, x[at:at + m], packed, w)
-            assert torch.equal(part, full[at:at + m]), (m, at)
+    for rows in (0, 12):
+        float_rows(rows)
+        assert torch.equal(gguf_kernels.linear_i16(glib, x, packed, w), full), rows
+        for m in (*range(1, 21), 40, 257):  # a row's result: the same bits whatever shares its call
+            for at in (0, 300 - m):
+                part = gguf_kernels.linear_i16(glib, x[at:at + m], packed, w)
+                assert torch.equal(part, full[at:at + m]), (rows, m, at)
     assert gguf_kernels.linear_i16(glib, x[:0], packed, w).shape == (0, 40)
+    assert float_rows(-1) == 12  # -1 reads the setting
 
 
 def test_i16_kernel_takes_only_its_formats_in_rows_of_eight(glib):
@@ -379,6 +396,15 @@ def test_int16_decode_rows_and_float32_prompt_rows():
     fn, code, ptr, n, k = fast.decode_kernel()  # what the C decode step calls
     assert (fn, n, k) == (ctypes.cast(lib.gguf_linear_i16, ctypes.c_void_p).value, 64, 96)
     assert torch.equal(gguf_kernels.linear_i16(lib, x, fast._i16, w), fast(x))  # its layout
+    # prompt rows on the 16-bit input too: one call for the whole step
+    both = GGUFLinear(w, torch.float32, lib, decode_i16=True, prefill_i16=True)
+    for prompt_rows in (0, 3, 7):
+        assert torch.equal(both(x, prompt_rows), fast(x))
+    # 16-bit prompt rows beside float32 decode rows
+    prompt_only = GGUFLinear(w, torch.float32, lib, prefill_i16=True)
+    y = prompt_only(x, 3)
+    assert torch.equal(y[:3], fast(x[:3])) and torch.equal(y[3:], plain(x[3:]))
+    assert torch.equal(prompt_only(x), plain(x)) and prompt_only.decode_kernel()[0] == plain.decode_kernel()[0]
     q4k = GGUFLinear(blocks("Q4_K", 16, 256), torch.float32, lib, decode_i16=True)
     xk = torch.randn(2, 256)  # no 16-bit kernel for Q4_K: float32 at every M
     assert torch.equal(q4k(xk), GGUFLinear(q4k.weight, torch.float32, lib)(xk))
@@ -400,6 +426,16 @@ def test_decode_dtype_follows_the_cpu_unless_chosen():
     assert decode_in_int16("int16", "cpu") == have and not decode_in_bfloat16("int16", "cpu")
     assert not decode_in_int16("float32", "cpu") and not decode_in_int16("bfloat16", "cpu")
     assert not decode_in_int16("auto", "cuda")
+    # prompt rows: int16 by default only where the AVX2 build's integer multiplies are the faster
+    lib = gguf_kernels.load()
+    fast16 = (have and not native_bfloat16() and lib.gguf_isa() == b"avx2" and gguf_kernels.int16_multiplies_fast())
+    assert prefill_in_int16("auto", "cpu") == fast16
+    assert not prefill_in_int16("auto", "cpu", decode_int16=False)  # auto: as the decode rows
+    assert prefill_in_int16("int16", "cpu") == have and not prefill_in_bfloat16("int16", "cpu")
+    assert not prefill_in_int16("float32", "cpu") and not prefill_in_int16("bfloat16", "cpu")
+    assert not prefill_in_int16("auto", "cuda")
+    with pytest.raises(ValueError, match="prefill_dtype"):
+        prefill_in_int16("float16", "cpu")
 
 
 def test_weight_checks_its_blocks():
@@ -462,11 +498,30 @@ def test_default_mode_takes_16_bit_decode_inputs_where_bfloat16_is_not_native(tm
     exact = ModelRunner(path, num_blocks=32, num_threads=1)
     assert default.model.layers[0].qkv._i16 is not None and f32.model.layers[0].qkv._i16 is None
     prompt = [5, 17, 33, 2 + 40, 61, 7]
-    # the prompt's rows in float32, the logits' rows (what the head is given) as decode rows
+    # the prompt's rows in float32 or (prefill_in_int16) int16, the logits' rows (what the head
+    # is given) as decode rows
     a, b = oracle.runner_last_logits(default, prompt), oracle.runner_last_logits(f32, prompt)
     assert not torch.equal(a, b)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
     assert oracle.runner_greedy(default, prompt, 16) == oracle.runner_greedy(exact, prompt, 16)
+
+
+def test_16_bit_prompt_rows_stay_within_the_inputs_rounding(tmp_path):
+    if gguf_kernels.load() is None:
+        pytest.skip("no block kernel on this CPU")
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(0), "Q4_1", tokenizer=True)
+    both = ModelRunner(path, num_blocks=32, num_threads=1, quantization="auto", prefill_dtype="int16",
+                       decode_dtype="int16")
+    decode_only = ModelRunner(path, num_blocks=32, num_threads=1, quantization="auto", prefill_dtype="float32",
+                              decode_dtype="int16")
+    exact = ModelRunner(path, num_blocks=32, num_threads=1)
+    qkv = both.model.layers[0].qkv
+    assert qkv._prefill_i16 and qkv._decode_i16 and not decode_only.model.layers[0].qkv._prefill_i16
+    prompt = [5, 17, 33, 2 + 40, 61, 7]
+    a, b = oracle.runner_last_logits(both, prompt), oracle.runner_last_logits(decode_only, prompt)
+    assert not torch.equal(a, b)  # the prompt's rows really took the 16-bit input
+    torch.testing.assert_close(a, oracle.runner_last_logits(exact, prompt), rtol=0, atol=1e-3)
+    assert oracle.runner_greedy(both, prompt, 16) == oracle.runner_greedy(exact, prompt, 16)
 
 
 def test_default_decode_tokens_do_not_depend_on_how_many_decode_together(tmp_path):

@@ -56,3 +56,34 @@ def test_the_engine_refuses_an_unknown_level_at_start():
     assert done.returncode == 2
     assert ("error: TOKENSERVE_CPU_ISA must be one of auto, avx512bf16, avx512, avx2, none, not 'avx3'"
             in done.stderr)
+
+
+ZEN1 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 23
+model\t\t: 1
+model name\t: AMD EPYC 7551 32-Core Processor
+flags\t\t: fpu avx2 fma f16c
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 23
+"""
+
+
+def test_the_cpu_model_is_the_first_processors_vendor_and_family():
+    assert isa.cpu_model(ZEN1) == ("AuthenticAMD", 23)
+    assert isa.cpu_model("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t: 143\n") == ("GenuineIntel", 6)
+    assert isa.cpu_model("processor\t: 0\n") == ("", 0)  # neither listed (an emulator, another arch)
+    vendor, family = isa.cpu_model()  # this machine's, read from /proc/cpuinfo
+    assert isinstance(vendor, str) and family >= 0
+
+
+def test_16_bit_multiplies_count_as_slow_only_on_zen_1_and_2():
+    from services.engine.gguf_kernels import int16_multiplies_fast
+    assert not int16_multiplies_fast(isa.cpu_model(ZEN1))  # family 17h: Zen 1, Zen+, Zen 2
+    assert not int16_multiplies_fast(("HygonGenuine", 0x18))  # Hygon Dhyana: a Zen 1
+    assert int16_multiplies_fast(("AuthenticAMD", 0x19))  # Zen 3, Zen 4
+    assert int16_multiplies_fast(("AuthenticAMD", 0x1A))  # Zen 5
+    assert int16_multiplies_fast(("GenuineIntel", 6))
+    assert int16_multiplies_fast(("", 0))  # unknown: the integer path (the same bits either way)
