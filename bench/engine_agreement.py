@@ -47,9 +47,11 @@ def main() -> None:
     path = default_model_path()
     cases = prompts(load_model_tokenizer(path))
     tokens: dict[str, dict[str, list[int]]] = {}
-    runners = {}
+    runners, arithmetic = {}, {}
     for mode, kw in MODES.items():
         runners[mode] = r = ModelRunner(path, num_blocks=160, **kw)
+        if kw.get("quantization") == "auto":
+            arithmetic[mode] = r.block_arithmetic
         tokens[mode] = {name: oracle.runner_greedy(r, p, a.new_tokens, prefill_chunk=256 if len(p) > 500 else 10_000)
                         for name, p in cases.items()}
         if mode != "exact":
@@ -75,6 +77,7 @@ def main() -> None:
                         "of": len(per)}
     out = {"benchmark": "engine_agreement", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "model": path.name, "new_tokens": a.new_tokens, "modes": {k: v for k, v in MODES.items()},
+           "block_arithmetic": arithmetic,
            "machine": machine_facts(),
            "vs_exact": report}
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -316,6 +316,8 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "threads": args.threads, **facts,
                     "load_avg_start": load_avg_start, "load_avg_end": os.getloadavg(),
                     "note": "shared 2-core machine; other engineers' jobs were running"},
+        "block_arithmetic": {p.name: p.r.block_arithmetic for p in peers
+                             if isinstance(p, Ours) and p.r.quantization == "auto"},
         "runs": args.runs, "decode_tokens": args.decode, "medians": medians, "samples": samples,
         "ratios": ratios, "greedy_agreement_vs_float32": quality,
         "roofline_fraction_one_stream": {n: round(m["decode_tok_s"] / facts["roofline_tok_s_one_stream"], 3)
