@@ -919,7 +919,14 @@ static inline __attribute__((always_inline)) void i16_group_impl(int fmt, const 
     if (pair && M >= (K <= 1024 ? I16_PANEL_ROWS : 2 * I16_PANEL_ROWS)) {
         int16_t *ip = (int16_t *)scratch;
         i16_ipanel(fmt, pk, ip, g, K);
-        for (int64_t j0 = 0; j0 < M; j0 += I16_PMR) {
+        /* the next pair's packed blocks (the next a thread takes, but at the end of its run),
+           prefetched a share per tile: its panel then builds from L2 (weights read the first
+           time in a step: 16 rows 3-12% faster on the AVX2-capped Xeon, 64 rows 2-3%) */
+        int64_t pair_bytes = 2 * (K / QK) * i16_unit_bytes(fmt), tiles = (M + I16_PMR - 1) / I16_PMR;
+        int64_t lines = g + 3 < N / 8 ? pair_bytes / 64 : 0, per = (lines + tiles - 1) / tiles;
+        const char *next = (const char *)(pk + (g + 2) * (K / QK) * i16_unit_bytes(fmt));
+        for (int64_t j0 = 0, t = 0; j0 < M; j0 += I16_PMR, t++) {
+            for (int64_t l = t * per; l < (t + 1) * per && l < lines; l++) _mm_prefetch(next + 64 * l, _MM_HINT_T1);
             switch (M - j0 < I16_PMR ? M - j0 : I16_PMR) {
                 case 1: i16_ptile_1(fmt, xq, xs, pk, ip, y, j0, g, N, K); break;
                 case 2: i16_ptile_2(fmt, xq, xs, pk, ip, y, j0, g, N, K); break;
