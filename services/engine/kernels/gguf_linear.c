@@ -575,7 +575,7 @@ int gguf_dequantize(int fmt, const uint8_t *w, float *out, int64_t N, int64_t K)
    Q8_0 one row 205 -> 83; 12 to 64 rows on the float32 tiles 1.12-1.3x float32's time. On a
    2-core AMX Xeon (Sapphire Rapids-class) under the AVX2 cap, against float32: one row 2.4x faster, 2 to
    8 rows 1.9-2.1x, 11 to 1,024 rows 1.1-1.5x (the panel tiles; the float32 tiles were
-   0.8-0.9x float32 there). */
+   0.75-0.9x float32 there). */
 #if defined(__AVX2__)
 #define I16_MR 4  /* input rows per tile */
 
