@@ -677,6 +677,21 @@ static inline __attribute__((always_inline)) void i16_quad(const uint8_t *pairs,
     out[3] = _mm256_unpackhi_epi8(hi, z);
 }
 
+/* A unit's d and m on 8 lanes (m: Q4_1's own; Q4_0: -8 d, for its q - 8; Q8_0: unused) */
+static inline __attribute__((always_inline)) void i16_dm(int fmt, const uint8_t *u, __m256 *d, __m256 *m) {
+    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u));
+    *m = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 16)))
+       : _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f));
+}
+
+/* acc plus a block's exact sums P (as float32) scaled: P * (d * s) by one FMA, then m * (s *
+   sum(X)) by another (sx: the input block's {s, s * sum(X)}) */
+static inline __attribute__((always_inline)) __m256 i16_scaled(int fmt, __m256 P, __m256 d, __m256 m,
+                                                              const float *sx, __m256 acc) {
+    acc = _mm256_fmadd_ps(P, _mm256_mul_ps(d, _mm256_set1_ps(sx[0])), acc);
+    return fmt == FMT_Q8_0 ? acc : _mm256_fmadd_ps(m, _mm256_set1_ps(sx[1]), acc);
+}
+
 /* Group g (8 weight rows) against input rows j0 .. j0 + MR - 1 */
 #define I16_TILE(MR)                                                                                 \
 static inline __attribute__((always_inline)) void i16_tile_##MR(int fmt, const int16_t *xq,         \
@@ -707,14 +722,10 @@ static inline __attribute__((always_inline)) void i16_tile_##MR(int fmt, const i
                     P[j] = _mm256_add_epi32(P[j], _mm256_madd_epi16(pv[i], _mm256_set1_epi32(xp))); \
                 }                                                                                    \
         }                                                                                            \
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u));                             \
-        __m256 m = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + 16)))     \
-                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));  /* Q4_0: d * (q - 8) */                 \
-        UNROLL for (int j = 0; j < MR; j++) {                                                        \
-            const float *sx = xs + ((j0 + j) * nb + b) * 2;                                          \
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P[j]), _mm256_mul_ps(d, _mm256_set1_ps(sx[0])), acc[j]); \
-            if (fmt != FMT_Q8_0) acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[1]), acc[j]);        \
-        }                                                                                            \
+        __m256 d, m;                                                                                 \
+        i16_dm(fmt, u, &d, &m);                                                                      \
+        UNROLL for (int j = 0; j < MR; j++)                                                          \
+            acc[j] = i16_scaled(fmt, _mm256_cvtepi32_ps(P[j]), d, m, xs + ((j0 + j) * nb + b) * 2, acc[j]); \
     }                                                                                                \
     UNROLL for (int j = 0; j < MR; j++) _mm256_storeu_ps(y + (j0 + j) * N + 8 * g, acc[j]);          \
 }
@@ -751,6 +762,20 @@ static inline __attribute__((always_inline)) void i16_ipanel(int fmt, const uint
     }
 }
 
+/* In a tile of MR input rows over groups g and g + 1 (units u0, u1): each row j's block sums (Q0, Q1:
+   float32 expressions of j) scaled into its 16 float32 sums acc[j] */
+#define I16_SCALE_PAIR(MR, Q0, Q1)                                                                     \
+        {                                                                                            \
+            __m256 d0, m0, d1, m1;                                                                   \
+            i16_dm(fmt, u0, &d0, &m0);                                                               \
+            i16_dm(fmt, u1, &d1, &m1);                                                               \
+            UNROLL for (int j = 0; j < MR; j++) {                                                    \
+                const float *sx = xs + ((j0 + j) * nb + b) * 2;                                      \
+                _mm256_store_ps(acc[j], i16_scaled(fmt, Q0, d0, m0, sx, _mm256_load_ps(acc[j])));    \
+                _mm256_store_ps(acc[j] + 8, i16_scaled(fmt, Q1, d1, m1, sx, _mm256_load_ps(acc[j] + 8))); \
+            }                                                                                        \
+        }
+
 /* Groups g and g + 1 (their pair vectors in ip) against input rows j0 .. j0 + MR - 1; the rows'
    float32 sums wait in acc (L1) */
 #define I16_PTILE(MR)                                                                                \
@@ -777,24 +802,7 @@ static inline __attribute__((always_inline)) void i16_ptile_##MR(int fmt, const 
                 P1[j] = _mm256_add_epi32(P1[j], _mm256_madd_epi16(w1, xb));                          \
             }                                                                                        \
         }                                                                                            \
-        __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u0));                           \
-        __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u1));                           \
-        __m256 m0 = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u0 + 16)))   \
-                  : _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f));                                        \
-        __m256 m1 = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u1 + 16)))   \
-                  : _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));                                        \
-        UNROLL for (int j = 0; j < MR; j++) {                                                        \
-            const float *sx = xs + ((j0 + j) * nb + b) * 2;                                          \
-            __m256 s = _mm256_set1_ps(sx[0]), S = _mm256_set1_ps(sx[1]);                             \
-            __m256 a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P0[j]), _mm256_mul_ps(d0, s), _mm256_load_ps(acc[j])); \
-            __m256 a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P1[j]), _mm256_mul_ps(d1, s), _mm256_load_ps(acc[j] + 8)); \
-            if (fmt != FMT_Q8_0) {                                                                   \
-                a0 = _mm256_fmadd_ps(m0, S, a0);                                                     \
-                a1 = _mm256_fmadd_ps(m1, S, a1);                                                     \
-            }                                                                                        \
-            _mm256_store_ps(acc[j], a0);                                                             \
-            _mm256_store_ps(acc[j] + 8, a1);                                                         \
-        }                                                                                            \
+        I16_SCALE_PAIR(MR, _mm256_cvtepi32_ps(P0[j]), _mm256_cvtepi32_ps(P1[j]))                        \
     }                                                                                                \
     UNROLL for (int j = 0; j < MR; j++) {                                                            \
         _mm256_storeu_ps(y + (j0 + j) * N + 8 * g, _mm256_load_ps(acc[j]));                          \
@@ -867,24 +875,7 @@ static inline __attribute__((always_inline)) void i16_ftile_##MR(int fmt, const 
                 P1[j] = _mm256_fmadd_ps(q1, xv, P1[j]);                                              \
             }                                                                                        \
         }                                                                                            \
-        __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u0));                           \
-        __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u1));                           \
-        __m256 m0 = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u0 + 16)))   \
-                  : _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f));                                        \
-        __m256 m1 = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u1 + 16)))   \
-                  : _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));                                        \
-        UNROLL for (int j = 0; j < MR; j++) {                                                        \
-            const float *sx = xs + ((j0 + j) * nb + b) * 2;                                          \
-            __m256 s = _mm256_set1_ps(sx[0]), S = _mm256_set1_ps(sx[1]);                             \
-            __m256 a0 = _mm256_fmadd_ps(P0[j], _mm256_mul_ps(d0, s), _mm256_load_ps(acc[j]));        \
-            __m256 a1 = _mm256_fmadd_ps(P1[j], _mm256_mul_ps(d1, s), _mm256_load_ps(acc[j] + 8));    \
-            if (fmt != FMT_Q8_0) {                                                                   \
-                a0 = _mm256_fmadd_ps(m0, S, a0);                                                     \
-                a1 = _mm256_fmadd_ps(m1, S, a1);                                                     \
-            }                                                                                        \
-            _mm256_store_ps(acc[j], a0);                                                             \
-            _mm256_store_ps(acc[j] + 8, a1);                                                         \
-        }                                                                                            \
+        I16_SCALE_PAIR(MR, P0[j], P1[j])                                                             \
     }                                                                                                \
     UNROLL for (int j = 0; j < MR; j++) {                                                            \
         _mm256_storeu_ps(y + (j0 + j) * N + 8 * g, _mm256_load_ps(acc[j]));                          \
