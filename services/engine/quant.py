@@ -82,23 +82,31 @@ def prefill_in_bfloat16(prefill_dtype: str, device: str) -> bool:
     return prefill_dtype == "bfloat16"
 
 
+def _int16_kernels(option: str, value: str, allowed: tuple[str, ...], device: str):
+    """The GGUF kernels where `option` (prefill_dtype, decode_dtype) = `value` may take the
+    16-bit-input kernel ("int16" or "auto" on the CPU), else None; ValueError for a value not in
+    `allowed`, or for "int16" where the kernels cannot be built here."""
+    if value not in allowed:
+        raise ValueError(f"{option} must be one of {allowed}, got {value!r}")
+    if value in ("float32", "bfloat16") or device != "cpu":
+        return None
+    lib = gguf_kernels.load()
+    if value == "int16" and lib is None:
+        raise ValueError(f"{option} int16 needs a CPU with AVX2, FMA and F16C and a C compiler"
+                         " (the GGUF kernels); use auto or float32")
+    return lib
+
+
 def prefill_in_int16(prefill_dtype: str, device: str, decode_int16: bool = True) -> bool:
     """Whether prompt rows take the 16-bit-input kernel (gguf_linear_i16): prefill_dtype
     "int16", or "auto" where the decode rows do (`decode_int16`), the CPU has no native
     bfloat16, the kernels' build is the AVX2 one (an AVX-512 build's float32 runs on 16 lanes)
     and its integer multiplies are the faster (gguf_kernels.int16_multiplies_fast); raises
     ValueError for "int16" where the kernels cannot be built here."""
-    if prefill_dtype not in PREFILL_DTYPES:
-        raise ValueError(f"prefill_dtype must be one of {PREFILL_DTYPES}, got {prefill_dtype!r}")
-    if prefill_dtype in ("float32", "bfloat16") or device != "cpu":
-        return False
-    lib = gguf_kernels.load()
-    if prefill_dtype == "int16":
-        if lib is None:
-            raise ValueError("prefill_dtype int16 needs a CPU with AVX2, FMA and F16C and a C compiler"
-                             " (the GGUF kernels); use auto or float32")
-        return True
-    return (decode_int16 and lib is not None and not native_bfloat16() and lib.gguf_isa().decode() == "avx2"
+    lib = _int16_kernels("prefill_dtype", prefill_dtype, PREFILL_DTYPES, device)
+    if lib is None or prefill_dtype == "int16":
+        return lib is not None
+    return (decode_int16 and not native_bfloat16() and lib.gguf_isa().decode() == "avx2"
             and gguf_kernels.int16_multiplies_fast())
 
 
@@ -106,14 +114,7 @@ def decode_in_int16(decode_dtype: str, device: str) -> bool:
     """Whether the GGUF blocks' decode rows take the 16-bit-input kernel (gguf_linear_i16):
     decode_dtype "int16", or "auto" where there is no bfloat16 build for this CPU; raises
     ValueError for "int16" where the kernels cannot be built here."""
-    if decode_dtype not in DECODE_DTYPES:
-        raise ValueError(f"decode_dtype must be one of {DECODE_DTYPES}, got {decode_dtype!r}")
-    if decode_dtype in ("float32", "bfloat16") or device != "cpu":
-        return False
-    lib = gguf_kernels.load()
-    if decode_dtype == "int16" and lib is None:
-        raise ValueError("decode_dtype int16 needs a CPU with AVX2, FMA and F16C and a C compiler"
-                         " (the GGUF kernels); use auto or float32")
+    lib = _int16_kernels("decode_dtype", decode_dtype, DECODE_DTYPES, device)
     return lib is not None and (decode_dtype == "int16" or not gguf_kernels.has_bfloat16(lib))
 
 

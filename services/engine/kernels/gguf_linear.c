@@ -677,6 +677,17 @@ static inline __attribute__((always_inline)) void i16_quad(const uint8_t *pairs,
     out[3] = _mm256_unpackhi_epi8(hi, z);
 }
 
+/* Pair vectors 4c .. 4c + 3 of a unit (pairs: its pair vectors), as 16-bit integers: Q8_0's
+   int8 widened, the 4-bit formats' nibbles unpacked (i16_quad) */
+static inline __attribute__((always_inline)) void i16_pairs4(int fmt, const uint8_t *pairs, int c, __m256i out[4]) {
+    if (fmt == FMT_Q8_0) {
+        UNROLL for (int i = 0; i < 4; i++)
+            out[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pairs + 16 * (4 * c + i))));
+    } else {
+        i16_quad(pairs, c, out);
+    }
+}
+
 /* A unit's d and m on 8 lanes (m: Q4_1's own; Q4_0: -8 d, for its q - 8; Q8_0: unused) */
 static inline __attribute__((always_inline)) void i16_dm(int fmt, const uint8_t *u, __m256 *d, __m256 *m) {
     *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)u));
@@ -709,12 +720,7 @@ static inline __attribute__((always_inline)) void i16_tile_##MR(int fmt, const i
            sum them as a tree (2-11 rows 1.2-1.25x slower on a Xeon under the AVX2 cap) */       \
         _Pragma("GCC unroll 1") for (int c = 0; c < 4; c++) {                                        \
             __m256i pv[4];                                                                           \
-            if (fmt == FMT_Q8_0) {                                                                   \
-                UNROLL for (int i = 0; i < 4; i++)                                                   \
-                    pv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pairs + 16 * (4 * c + i)))); \
-            } else {                                                                                 \
-                i16_quad(pairs, c, pv);                                                              \
-            }                                                                                        \
+            i16_pairs4(fmt, pairs, c, pv);                                                           \
             UNROLL for (int i = 0; i < 4; i++)                                                       \
                 UNROLL for (int j = 0; j < MR; j++) {                                                \
                     int32_t xp;                                                                      \
@@ -749,12 +755,7 @@ static inline __attribute__((always_inline)) void i16_ipanel(int fmt, const uint
             const uint8_t *pairs = u + i16_pairs_at(fmt);
             UNROLL for (int c = 0; c < 4; c++) {
                 __m256i pv[4];
-                if (fmt == FMT_Q8_0) {
-                    UNROLL for (int i = 0; i < 4; i++)
-                        pv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pairs + 16 * (4 * c + i))));
-                } else {
-                    i16_quad(pairs, c, pv);
-                }
+                i16_pairs4(fmt, pairs, c, pv);
                 UNROLL for (int i = 0; i < 4; i++)
                     _mm256_store_si256((__m256i *)(ip + ((b * 16 + 4 * c + i) * 2 + h) * 16), pv[i]);
             }
@@ -829,12 +830,7 @@ static inline __attribute__((always_inline)) void i16_fpanel(int fmt, const uint
         float *f = fq + b * QK * 8;
         UNROLL for (int c = 0; c < 4; c++) {
             __m256i pv[4];
-            if (fmt == FMT_Q8_0) {
-                UNROLL for (int i = 0; i < 4; i++)
-                    pv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pairs + 16 * (4 * c + i))));
-            } else {
-                i16_quad(pairs, c, pv);
-            }
+            i16_pairs4(fmt, pairs, c, pv);
             UNROLL for (int i = 0; i < 4; i++) {  /* lane L: words 2L (element 2p), 2L + 1 (2p + 1) */
                 int p = 4 * c + i;
                 __m256i even = _mm256_srai_epi32(_mm256_slli_epi32(pv[i], 16), 16), odd = _mm256_srai_epi32(pv[i], 16);
