@@ -36,7 +36,10 @@ answers); medians over the rounds, each round's tokens/s in the JSON.
 Prefix caching is off in the engine (distinct prompts per stream anyway).
 The JSON records the CPU flags, the measured copy bandwidth and the one-stream roofline
 (bandwidth / bytes of weights the default engine reads per token, bench/machine.py), and the
-engine's one-stream tokens/s as a fraction of it.
+engine's one-stream tokens/s as a fraction of it. Where the kernels go no wider than AVX2 it
+also records the compute ceiling of the many-stream workloads (`compute`): the machine's AVX2
+multiply-add peaks (bench/multiply_peak.c), each workload's multiply-adds, the tokens/s they
+would allow at the better peak, and each peer's multiply-adds per second as a fraction of it.
 --isa avx2 measures as on a CPU without AVX-512 (bench/machine.py run_capped: the engine's
 TOKENSERVE_CPU_ISA, torch's ATEN_CPU_CAPABILITY/ONEDNN_MAX_CPU_ISA for transformers and vLLM,
 vLLM's AVX2 build; pass a llama-server built by `bench/build_llama_server.sh DIR avx2`).
@@ -68,7 +71,7 @@ from tokenserve.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.machine import add_isa_arg, machine_facts, peer_env, run_capped  # noqa: E402
+from bench.machine import add_isa_arg, machine_facts, peer_env, run_capped, workload_macs  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -482,7 +485,7 @@ def main(argv=None) -> int:
     warmup = workloads([1], a.new_tokens, seed=a.runs)["c1"][0]  # a prompt no round sends
     peers = a.peers.split(",")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    facts = machine_facts(default_model_path())
+    facts = machine_facts(default_model_path(), compute=True)
     print("machine:", {k: v for k, v in facts.items() if k != "cpu_flags"}, flush=True)
 
     servers, runs, vllm_info = [], {}, None
@@ -531,7 +534,8 @@ def main(argv=None) -> int:
                        " vLLM on the file converted to a Hugging Face folder, in its dtype",
               "llama_server": a.llama_server, "vllm": vllm_info,
               "runs": a.runs, "new_tokens": a.new_tokens, "engine_args": a.engine_arg,
-              "results": results, "ratios": ratios(results)}
+              "results": results, "ratios": ratios(results),
+              "compute": compute_use(results, rounds[0], facts, a.new_tokens)}
     Path(a.out + ".json").write_text(json.dumps(report, indent=2))
     plot(results, Path(a.out + ".png"))
     print(json.dumps(report["ratios"], indent=2))
@@ -541,6 +545,28 @@ def main(argv=None) -> int:
 def _fmt(r: dict) -> str:
     return (f"{r['tok_per_s']:.1f} tok/s  ttft p50 {r['ttft_p50_s']:.3f}s p99 {r['ttft_p99_s']:.3f}s"
             f"  itl p50 {r['itl_p50_s'] * 1000:.0f}ms p99 {r['itl_p99_s'] * 1000:.0f}ms")
+
+
+def compute_use(results: dict, loads: dict[str, list[list[int]]], facts: dict, new_tokens: int) -> dict | None:
+    """Per workload: its multiply-adds (bench/machine.py workload_macs), `bound_tok_s` (tokens/s
+    if every one ran at the machine's better AVX2 multiply-add peak, nothing else taking time)
+    and each peer's multiply-adds per second (GMAC/s) and its fraction of that peak. None where
+    the kernels may use AVX-512 (the AVX2 peaks are no ceiling there) or a peak is missing."""
+    peaks, macs = facts.get("multiply_peak_gmacs") or {}, facts.get("macs_per_token")
+    if not peaks or not macs or "avx512f" in facts["cpu_key_flags_used"]:
+        return None
+    peak = max(peaks.values())
+    out = {"peak_gmacs": peak, "workloads": {}}
+    for name, prompts in loads.items():
+        total = workload_macs(macs, [len(p) for p in prompts], new_tokens)
+        tokens = len(prompts) * new_tokens
+        w = {"gmac": round(total / 1e9, 1), "bound_tok_s": round(tokens * peak * 1e9 / total, 1), "peers": {}}
+        for peer, per in results.items():
+            if name in per:
+                gmacs = total / 1e9 * per[name]["tok_per_s"] / tokens
+                w["peers"][peer] = {"gmacs": round(gmacs, 1), "fraction_of_peak": round(gmacs / peak, 3)}
+        out["workloads"][name] = w
+    return out
 
 
 def ratios(results: dict) -> dict:

@@ -1,15 +1,27 @@
 """Facts about the machine every benchmark records: CPU flags, copy bandwidth, and the
-memory-bandwidth roofline of decoding the bundled model with the engine's default weights.
+memory-bandwidth roofline of decoding the bundled model with the engine's default weights;
+on request its multiply-add peaks (the compute ceiling of many concurrent streams).
 
 roofline tok/s (one stream) = measured copy bandwidth / bytes the engine reads per token,
 where the bytes are the GGUF file's blocks of every linear layer (what the default mode
 multiplies; the embedding lookup and the KV cache add little at these lengths).
+
+multiply peaks (GMAC/s, all cores, AVX2): register-only loops of bench/multiply_peak.c, the
+16-bit panel tile's VPMADDWD + VPADDD and float32 FMA chains; with linear_macs (multiply-adds
+per token of the model's linear layers and of its output head) a workload's multiply-adds
+over the better peak is the least time any engine could take on this machine's vector units
+at AVX2 (attention left out: a few percent at these lengths).
 """
 from __future__ import annotations
 
+import ctypes
+import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +64,70 @@ def default_weight_bytes(model_path: Path) -> int:
         if name != "embed" and t.dim() == 2:
             total += t.numel()  # int8: one byte each
     return total
+
+
+def linear_macs(model_path: Path) -> dict[str, int]:
+    """Multiply-adds per token: `body`, every layer's linears (Q/K/V, O, gate/up, down); `head`,
+    the output head (taken only for rows whose next token is sampled)."""
+    from services.engine.loader import load_weights
+
+    loaded = load_weights(model_path, keep_blocks=True)
+    c = loaded.config
+    head_name = "embed" if c.tie_embeddings else "lm_head"
+    shapes = {n: tuple(w.shape) for n, w in loaded.quantized.items()}
+    shapes.update({n: tuple(t.shape) for n, t in loaded.tensors.items() if t.dim() == 2})
+    body = sum(n * k for name, (n, k) in shapes.items() if name.startswith("layers."))
+    n, k = shapes[head_name]
+    return {"body": body, "head": n * k}
+
+
+def workload_macs(macs: dict[str, int], prompts: list[int], new_tokens: int) -> int:
+    """Multiply-adds of streams with these prompt lengths generating new_tokens each: every
+    prompt token and every generated token but the last goes through the layers, and the head
+    runs once per generated token."""
+    return sum((p + new_tokens - 1) * macs["body"] + new_tokens * macs["head"] for p in prompts)
+
+
+PEAK_SOURCE = ROOT / "bench" / "multiply_peak.c"
+
+
+def multiply_peaks_gmacs(repeats: int = 7) -> dict[str, float]:
+    """The AVX2 multiply-add peaks of all this process's cores in GMAC/s (medians):
+    {"int16_madd_avx2", "f32_fma_avx2"}; {} where the CPU has no AVX2/FMA or there is no C
+    compiler. Measured in a child process (its own OpenMP team, one thread a core)."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not {"avx2", "fma"} <= isa.hardware_flags() or not cc:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = Path(tmp) / "multiply_peak.so"
+        subprocess.run([cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", str(PEAK_SOURCE),
+                        "-o", str(lib)], check=True)
+        env = {**os.environ, "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))), "OMP_PROC_BIND": "true"}
+        out = subprocess.run([sys.executable, __file__, "--peaks", str(lib), str(repeats)], env=env,
+                             check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def _run_peaks(lib_path: str, repeats: int) -> dict[str, float]:
+    lib = ctypes.CDLL(lib_path)
+    peaks = {}
+    for key, name in (("int16_madd_avx2", "int16_panel_peak"), ("f32_fma_avx2", "f32_fma_peak")):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_int64]
+        steps = 10**6
+        while True:  # about 0.2 s a sample (and the clock up to speed)
+            t0 = time.perf_counter()
+            fn(steps)
+            if time.perf_counter() - t0 > 0.2:
+                break
+            steps *= 2
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            macs = fn(steps)
+            samples.append(macs / (time.perf_counter() - t0) / 1e9)
+        peaks[key] = round(statistics.median(samples), 1)
+    return peaks
 
 
 ISA_SHIM = ROOT / "bench" / "isa_shim"  # sitecustomize for peers' Python processes (vLLM)
@@ -97,9 +173,11 @@ def cpu_model() -> str:
     return ""
 
 
-def machine_facts(model_path: Path | None = None) -> dict:
+def machine_facts(model_path: Path | None = None, compute: bool = False) -> dict:
     """The CPU (its model name and own flags), and the cap the run was measured under
-    (`isa_cap`, with the key flags the kernels were allowed: `cpu_key_flags_used`)."""
+    (`isa_cap`, with the key flags the kernels were allowed: `cpu_key_flags_used`); with
+    compute, the AVX2 multiply-add peaks (multiply_peaks_gmacs) and, with a model, its
+    multiply-adds per token (linear_macs)."""
     flags = isa.hardware_flags()
     facts = {"cpu_model": cpu_model(),
              "cpus": len(os.sched_getaffinity(0)),
@@ -114,6 +192,10 @@ def machine_facts(model_path: Path | None = None) -> dict:
         b = default_weight_bytes(model_path)
         facts["default_bytes_per_token"] = b
         facts["roofline_tok_s_one_stream"] = round(facts["copy_bandwidth_gbs"] * 1e9 / b, 1)
+    if compute:
+        facts["multiply_peak_gmacs"] = multiply_peaks_gmacs()
+        if model_path is not None:
+            facts["macs_per_token"] = linear_macs(model_path)
     return facts
 
 
@@ -166,3 +248,10 @@ def gpu_facts(device: str = "cuda") -> dict:
         facts["driver"] = None
     facts["copy_bandwidth_gbs"] = round(gpu_copy_bandwidth_gbs(device), 1)
     return facts
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--peaks":  # multiply_peaks_gmacs's child
+        print(json.dumps(_run_peaks(sys.argv[2], int(sys.argv[3]))))
+    else:
+        print(json.dumps(machine_facts(compute=True), indent=2))
