@@ -559,17 +559,17 @@ int gguf_dequantize(int fmt, const uint8_t *w, float *out, int64_t N, int64_t K)
    the vectors as int8 (widened by VPMOVSXBW); Q4_0/Q4_1 four of them in 32 bytes of nibbles
    (i16_quad: low and high halves, bytes widened by unpacking with zero).
 
-   From I16_PANEL_ROWS input rows on (twice that where K > 1024), a pair of groups is widened
-   once per call into a 16-bit panel (i16_ipanel) that tiles of 3 input rows read (i16_ptile):
-   the same integer sums without unpacking nibbles per input row. Where VPMADDWD is slow (AMD
-   Zen 1 and 2; gguf_i16_float_rows, set by the caller), from 12 rows the weights become float32
-   panels instead and the same block sums are formed by FMAs (i16_ftile): each is an integer
-   below 2^24 in magnitude (Q4: 32 * 15 * 2^15; Q8_0: 32 * 128 * 2^12), exact in float32 in any
-   order. y[m, n]: per block that exact sum, times d * s (exact: s is a power of two) added to
-   the row's float32 sum by one FMA, then m * s * sum(X) by another, blocks in order: the same
-   bits for every M, tile and path, so a row's result does not depend on the rest of the batch
-   (decode rows and drafts give the same tokens alone or together; tested); prompt rows
-   (--prefill-dtype int16) are multiplied as decode rows are.
+   From I16_PANEL_ROWS input rows on, a pair of groups is widened once per call into a 16-bit
+   panel (i16_ipanel; K > 1024 in chunks of blocks, so it stays in L1) that tiles of 3 input rows
+   read (i16_ptile): the same integer sums without unpacking nibbles per input row. Where
+   VPMADDWD is slow (AMD Zen 1 and 2; gguf_i16_float_rows, set by the caller), from 12 rows the
+   weights become float32 panels instead and the same block sums are formed by FMAs
+   (i16_ftile): each is an integer below 2^24 in magnitude (Q4: 32 * 15 * 2^15; Q8_0: 32 * 128 *
+   2^12), exact in float32 in any order. y[m, n]: per block that exact sum, times d * s (exact:
+   s is a power of two) added to the row's float32 sum by one FMA, then m * s * sum(X) by
+   another, blocks in order: the same bits for every M, tile and path, so a row's result does
+   not depend on the rest of the batch (decode rows and drafts give the same tokens alone or
+   together; tested); prompt rows (--prefill-dtype int16) are multiplied as decode rows are.
    Measured on a 2-core AMD EPYC (Zen 1), against gguf_linear (float32) on both threads:
    SmolLM2's 3072x576 Q4_1 matrix, one row 233 -> 84 us, 2 rows 319 -> 151, 8 rows 936 -> 552;
    Q8_0 one row 205 -> 83; 12 to 64 rows on the float32 tiles 1.12-1.3x float32's time. On a
@@ -625,11 +625,12 @@ int gguf_pack_i16(int fmt, const uint8_t *w, uint8_t *out, int64_t N, int64_t K)
    sums then stay within 32 * 128 * 2^12 = 2^24, exact in float32 too (i16_ftile) */
 static inline int i16_bits(int fmt) { return fmt == FMT_Q8_0 ? 12 : 15; }
 
-/* x [M, K] -> xq [M, K] (int16) and per block {s, s * sum(X)} at xs [M * K / 32][2] */
-static void i16_input(const float *x, int16_t *xq, float *xs, int64_t M, int64_t K, int xbits) {
+/* x [M, K] -> xq [M, K] (int16) and per block {s, s * sum(X)} at xs [M * K / 32][2]: blocks
+   [b0, b1) of the M * K / 32 (each block on its own) */
+static void i16_input(const float *x, int16_t *xq, float *xs, int64_t b0, int64_t b1, int xbits) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i lim = _mm256_set1_epi32(32767);
-    for (int64_t i = 0; i < M * K; i += QK) {
+    for (int64_t i = b0 * QK; i < b1 * QK; i += QK) {
         __m256 v[4], mx = _mm256_setzero_ps();
         UNROLL for (int c = 0; c < 4; c++) {
             v[c] = _mm256_loadu_ps(x + i + 8 * c);
@@ -743,15 +744,16 @@ I16_TILE(1) I16_TILE(2) I16_TILE(3) I16_TILE(4)
    one broadcast of X's pair serving 16 rows (two VPMADDWD). The same exact block sums: the same
    bits as i16_tile. */
 #define I16_PANEL_ROWS 8
+#define I16_PANEL_BLOCKS 32  /* blocks of a panel chunk: 32 KB of 16-bit weights at most */
 #define I16_ROW_RUN 256
 #define I16_PMR 3
 
 static inline __attribute__((always_inline)) void i16_ipanel(int fmt, const uint8_t *pk, int16_t *ip,
-                                                            int64_t g, int64_t K) {
+                                                            int64_t g, int64_t K, int64_t b0, int64_t b1) {
     int64_t nb = K / QK, ub = i16_unit_bytes(fmt);
     for (int h = 0; h < 2; h++) {
-        const uint8_t *u = pk + (g + h) * nb * ub;
-        for (int64_t b = 0; b < nb; b++, u += ub) {
+        const uint8_t *u = pk + ((g + h) * nb + b0) * ub;
+        for (int64_t b = 0; b < b1 - b0; b++, u += ub) {
             const uint8_t *pairs = u + i16_pairs_at(fmt);
             UNROLL for (int c = 0; c < 4; c++) {
                 __m256i pv[4];
@@ -763,21 +765,26 @@ static inline __attribute__((always_inline)) void i16_ipanel(int fmt, const uint
     }
 }
 
-/* Groups g and g + 1 (their pair vectors in ip) against input rows j0 .. j0 + MR - 1; the rows'
-   float32 sums stay in registers (A0, A1: 2 MR of them beside 2 MR integer sums, hence tiles of
-   3 rows: 5-15% faster than 4 rows with the float32 sums in L1, AVX2-capped Xeon) */
+/* Groups g and g + 1 (the pair vectors of their blocks [b0, b1) in ip) against input rows j0 ..
+   j0 + MR - 1; the rows' float32 sums stay in registers (A0, A1: 2 MR of them beside 2 MR integer
+   sums, hence tiles of 3 rows: 5-15% faster than 4 rows with the float32 sums in L1, AVX2-capped
+   Xeon), from 0 at block 0, else from what the blocks before b0 left in y (the same additions in
+   the same order) */
 #define I16_PTILE(MR)                                                                                \
 static inline __attribute__((always_inline)) void i16_ptile_##MR(int fmt, const int16_t *xq,        \
         const float *xs, const uint8_t *pk, const int16_t *ip, float *y, int64_t j0, int64_t g,      \
-        int64_t N, int64_t K) {                                                                      \
+        int64_t N, int64_t K, int64_t b0, int64_t b1) {                                              \
     int64_t nb = K / QK, ub = i16_unit_bytes(fmt);                                                   \
-    const uint8_t *u0 = pk + g * nb * ub, *u1 = u0 + nb * ub;                                        \
+    const uint8_t *u0 = pk + (g * nb + b0) * ub, *u1 = u0 + nb * ub;                                 \
     __m256 A0[MR], A1[MR];                                                                           \
-    UNROLL for (int j = 0; j < MR; j++) A0[j] = A1[j] = _mm256_setzero_ps();                         \
-    for (int64_t b = 0; b < nb; b++, u0 += ub, u1 += ub) {                                           \
+    UNROLL for (int j = 0; j < MR; j++) {                                                            \
+        A0[j] = b0 ? _mm256_loadu_ps(y + (j0 + j) * N + 8 * g) : _mm256_setzero_ps();                \
+        A1[j] = b0 ? _mm256_loadu_ps(y + (j0 + j) * N + 8 * g + 8) : _mm256_setzero_ps();            \
+    }                                                                                                \
+    for (int64_t b = b0; b < b1; b++, u0 += ub, u1 += ub) {                                          \
         __m256i P0[MR], P1[MR];                                                                      \
         UNROLL for (int j = 0; j < MR; j++) P0[j] = P1[j] = _mm256_setzero_si256();                  \
-        const int16_t *w = ip + b * 16 * 32;                                                         \
+        const int16_t *w = ip + (b - b0) * 16 * 32;                                                  \
         /* two pairs per iteration: fully unrolled, GCC would spill all the products (above) */     \
         _Pragma("GCC unroll 2") for (int p = 0; p < 16; p++) {                                       \
             __m256i w0 = _mm256_load_si256((const __m256i *)(w + 32 * p));                            \
@@ -903,22 +910,29 @@ static inline __attribute__((always_inline)) void i16_group_impl(int fmt, const 
         }
         return;
     }
-    /* a panel beyond 32 KB (K > 1024) leaves L1: there it pays from twice as many rows */
-    if (pair && M >= (K <= 1024 ? I16_PANEL_ROWS : 2 * I16_PANEL_ROWS)) {
+    if (pair && M >= I16_PANEL_ROWS) {
+        /* the panel in chunks of at most I16_PANEL_BLOCKS blocks (equal ones), so it stays in
+           L1 beside the tiles' input rows: each chunk is widened, then every tile runs its
+           blocks (K > 1024, two chunks: 576x1536 at 16 rows 1.2x as fast as one panel in L2) */
+        int64_t nb = K / QK, chunks = (nb + I16_PANEL_BLOCKS - 1) / I16_PANEL_BLOCKS;
+        int64_t chunk = (nb + chunks - 1) / chunks;
         int16_t *ip = (int16_t *)scratch;
-        i16_ipanel(fmt, pk, ip, g, K);
         /* the next pair's packed blocks (the next a thread takes, but at the end of its run),
            prefetched a share per tile: its panel then builds from L2 (weights read the first
            time in a step: 16 rows 3-12% faster on the AVX2-capped Xeon, 64 rows 2-3%) */
-        int64_t pair_bytes = 2 * (K / QK) * i16_unit_bytes(fmt), tiles = (M + I16_PMR - 1) / I16_PMR;
+        int64_t pair_bytes = 2 * nb * i16_unit_bytes(fmt), tiles = (M + I16_PMR - 1) / I16_PMR * chunks;
         int64_t lines = g + 3 < N / 8 ? pair_bytes / 64 : 0, per = (lines + tiles - 1) / tiles;
-        const char *next = (const char *)(pk + (g + 2) * (K / QK) * i16_unit_bytes(fmt));
-        for (int64_t j0 = 0, t = 0; j0 < M; j0 += I16_PMR, t++) {
-            for (int64_t l = t * per; l < (t + 1) * per && l < lines; l++) _mm_prefetch(next + 64 * l, _MM_HINT_T1);
-            switch (M - j0 < I16_PMR ? M - j0 : I16_PMR) {
-                case 1: i16_ptile_1(fmt, xq, xs, pk, ip, y, j0, g, N, K); break;
-                case 2: i16_ptile_2(fmt, xq, xs, pk, ip, y, j0, g, N, K); break;
-                default: i16_ptile_3(fmt, xq, xs, pk, ip, y, j0, g, N, K); break;
+        const char *next = (const char *)(pk + (g + 2) * nb * i16_unit_bytes(fmt));
+        for (int64_t b0 = 0, t = 0; b0 < nb; b0 += chunk) {
+            int64_t b1 = b0 + chunk < nb ? b0 + chunk : nb;
+            i16_ipanel(fmt, pk, ip, g, K, b0, b1);
+            for (int64_t j0 = 0; j0 < M; j0 += I16_PMR, t++) {
+                for (int64_t l = t * per; l < (t + 1) * per && l < lines; l++) _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+                switch (M - j0 < I16_PMR ? M - j0 : I16_PMR) {
+                    case 1: i16_ptile_1(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+                    case 2: i16_ptile_2(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+                    default: i16_ptile_3(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+                }
             }
         }
         return;
@@ -963,12 +977,17 @@ int gguf_linear_i16(int fmt, const float *x, const uint8_t *pk, float *y, int64_
         free(xf);
         return -2;
     }
-    i16_input(x, xq, xs, M, K, i16_bits(fmt));
-    if (floats)
-        for (int64_t i = 0; i < M * K; i++) xf[i] = (float)xq[i];
-    int failed = 0;
+    int failed = 0, xbits = i16_bits(fmt);
     #pragma omp parallel
     {
+        /* the input rounded by all the threads (runs of 64 blocks), then multiplied */
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < M * K / QK; b += 64) {
+            int64_t e = b + 64 < M * K / QK ? b + 64 : M * K / QK;
+            i16_input(x, xq, xs, b, e, xbits);
+            if (floats)
+                for (int64_t i = b * QK; i < e * QK; i++) xf[i] = (float)xq[i];
+        }
         float *sc = scratch ? (float *)aligned_alloc(64, sizeof(float) * 16 * K) : 0;
         if (scratch && !sc) {
             #pragma omp atomic write
@@ -1002,7 +1021,7 @@ int gguf_input_i16(int fmt, const float *x, float *out, int64_t M, int64_t K) {
         free(xs);
         return -2;
     }
-    i16_input(x, xq, xs, M, K, i16_bits(fmt));
+    i16_input(x, xq, xs, 0, M * K / QK, i16_bits(fmt));
     for (int64_t i = 0; i < M * K; i++) out[i] = (float)xq[i] * xs[(i / QK) * 2];
     free(xq);
     free(xs);
