@@ -746,6 +746,7 @@ I16_TILE(1) I16_TILE(2) I16_TILE(3) I16_TILE(4)
 #define I16_PANEL_ROWS 8
 #define I16_PANEL_BLOCKS 32  /* blocks of a panel chunk: 32 KB of 16-bit weights at most */
 #define I16_ROW_RUN 256
+#define I16_SHARED_INPUT 256  /* input blocks from which all threads round the input */
 #define I16_PMR 3
 
 static inline __attribute__((always_inline)) void i16_ipanel(int fmt, const uint8_t *pk, int16_t *ip,
@@ -818,6 +819,10 @@ I16_PTILE(1) I16_PTILE(2) I16_PTILE(3)
    block sums, exact in float32 too; 0 (the default): never. Set by gguf_i16_float_rows. */
 static int64_t i16_float_rows = 0;
 #define I16_FMR 4  /* input rows per float32 tile */
+/* blocks of a float32 panel chunk: 16 KB for the pair, within a Zen 1's 32 KB L1 (whole panels
+   were 36 KB at K = 576, 96 KB at 1,536); on the AVX2-capped Xeon 576x1536 at 12-64 rows 3-14%
+   faster, 3072x576 the same */
+#define I16_FPANEL_BLOCKS 8
 
 /* Sets the row count from which gguf_linear_i16 takes its float32 tiles (0: never; below 0: no
    change) and returns the previous one. Either way the same bits. */
@@ -827,12 +832,13 @@ int64_t gguf_i16_float_rows(int64_t rows) {
     return old;
 }
 
-/* Group g's q as float32, fq [nb][32][8]: element k of the block for the 8 rows (lanes) */
+/* Group g's q as float32 for its blocks [b0, b1), fq [b1 - b0][32][8]: element k of the block for
+   the 8 rows (lanes) */
 static inline __attribute__((always_inline)) void i16_fpanel(int fmt, const uint8_t *pk, float *fq,
-                                                            int64_t g, int64_t K) {
+                                                            int64_t g, int64_t K, int64_t b0, int64_t b1) {
     int64_t nb = K / QK, ub = i16_unit_bytes(fmt);
-    const uint8_t *u = pk + g * nb * ub;
-    for (int64_t b = 0; b < nb; b++, u += ub) {
+    const uint8_t *u = pk + (g * nb + b0) * ub;
+    for (int64_t b = 0; b < b1 - b0; b++, u += ub) {
         const uint8_t *pairs = u + i16_pairs_at(fmt);
         float *f = fq + b * QK * 8;
         UNROLL for (int c = 0; c < 4; c++) {
@@ -851,19 +857,21 @@ static inline __attribute__((always_inline)) void i16_fpanel(int fmt, const uint
 /* Groups g and g + 1 (16 weight rows, their q in fq: two panels) against input rows j0 ..
    j0 + MR - 1 (X as float32 in xf): each block's sum of 32 exact products is an integer below
    2^24 in magnitude, exact in float32 whatever the order, so y is the integer path's bits.
-   Each broadcast of X serves 16 rows (two FMAs); the rows' float32 sums wait in acc. */
+   Each broadcast of X serves 16 rows (two FMAs); the rows' float32 sums wait in acc, from 0 at
+   block 0, else from what the blocks before b0 left in y (the same additions in the same order). */
 #define I16_FTILE(MR)                                                                                \
 static inline __attribute__((always_inline)) void i16_ftile_##MR(int fmt, const float *xf,          \
         const float *xs, const uint8_t *pk, const float *fq, float *y, int64_t j0, int64_t g,        \
-        int64_t N, int64_t K) {                                                                      \
+        int64_t N, int64_t K, int64_t b0, int64_t b1) {                                              \
     int64_t nb = K / QK, ub = i16_unit_bytes(fmt);                                                   \
-    const uint8_t *u0 = pk + g * nb * ub, *u1 = u0 + nb * ub;                                        \
+    const uint8_t *u0 = pk + (g * nb + b0) * ub, *u1 = u0 + nb * ub;                                 \
     float acc[MR][16] __attribute__((aligned(32)));                                                  \
-    memset(acc, 0, sizeof acc);                                                                      \
-    for (int64_t b = 0; b < nb; b++, u0 += ub, u1 += ub) {                                           \
+    UNROLL for (int j = 0; j < MR; j++)                                                              \
+        for (int i = 0; i < 16; i++) acc[j][i] = b0 ? y[(j0 + j) * N + 8 * g + i] : 0.0f;            \
+    for (int64_t b = b0; b < b1; b++, u0 += ub, u1 += ub) {                                          \
         __m256 P0[MR], P1[MR];                                                                       \
         UNROLL for (int j = 0; j < MR; j++) P0[j] = P1[j] = _mm256_setzero_ps();                     \
-        const float *f0 = fq + b * QK * 8, *f1 = f0 + nb * QK * 8;                                   \
+        const float *f0 = fq + (b - b0) * QK * 8, *f1 = f0 + (b1 - b0) * QK * 8;                     \
         for (int k = 0; k < QK; k++) {                                                               \
             __m256 q0 = _mm256_load_ps(f0 + 8 * k), q1 = _mm256_load_ps(f1 + 8 * k);                 \
             UNROLL for (int j = 0; j < MR; j++) {                                                    \
@@ -897,15 +905,21 @@ static inline __attribute__((always_inline)) void i16_group_impl(int fmt, const 
         int64_t g, int64_t N, int64_t K) {
     int pair = g + 1 < N / 8;
     if (pair && xf) {
+        /* float32 panels in chunks of at most I16_FPANEL_BLOCKS blocks (as the 16-bit ones below) */
+        int64_t nb = K / QK, chunks = (nb + I16_FPANEL_BLOCKS - 1) / I16_FPANEL_BLOCKS;
+        int64_t chunk = (nb + chunks - 1) / chunks;
         float *fq = scratch;
-        i16_fpanel(fmt, pk, fq, g, K);
-        i16_fpanel(fmt, pk, fq + 8 * K, g + 1, K);
-        for (int64_t j0 = 0; j0 < M; j0 += I16_FMR) {
-            switch (M - j0 < I16_FMR ? M - j0 : I16_FMR) {
-                case 1: i16_ftile_1(fmt, xf, xs, pk, fq, y, j0, g, N, K); break;
-                case 2: i16_ftile_2(fmt, xf, xs, pk, fq, y, j0, g, N, K); break;
-                case 3: i16_ftile_3(fmt, xf, xs, pk, fq, y, j0, g, N, K); break;
-                default: i16_ftile_4(fmt, xf, xs, pk, fq, y, j0, g, N, K); break;
+        for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
+            int64_t b1 = b0 + chunk < nb ? b0 + chunk : nb;
+            i16_fpanel(fmt, pk, fq, g, K, b0, b1);
+            i16_fpanel(fmt, pk, fq + (b1 - b0) * QK * 8, g + 1, K, b0, b1);
+            for (int64_t j0 = 0; j0 < M; j0 += I16_FMR) {
+                switch (M - j0 < I16_FMR ? M - j0 : I16_FMR) {
+                    case 1: i16_ftile_1(fmt, xf, xs, pk, fq, y, j0, g, N, K, b0, b1); break;
+                    case 2: i16_ftile_2(fmt, xf, xs, pk, fq, y, j0, g, N, K, b0, b1); break;
+                    case 3: i16_ftile_3(fmt, xf, xs, pk, fq, y, j0, g, N, K, b0, b1); break;
+                    default: i16_ftile_4(fmt, xf, xs, pk, fq, y, j0, g, N, K, b0, b1); break;
+                }
             }
         }
         return;
@@ -977,16 +991,26 @@ int gguf_linear_i16(int fmt, const float *x, const uint8_t *pk, float *y, int64_
         free(xf);
         return -2;
     }
+    /* the input rounded by all the threads (runs of 64 blocks) where it is large enough to pay
+       for the barrier after it (a decode row's input: well under a microsecond), else first */
     int failed = 0, xbits = i16_bits(fmt);
+    int64_t blocks = M * K / QK;
+    int shared_input = blocks >= I16_SHARED_INPUT;
+    if (!shared_input) {
+        i16_input(x, xq, xs, 0, blocks, xbits);
+        if (floats)
+            for (int64_t i = 0; i < M * K; i++) xf[i] = (float)xq[i];
+    }
     #pragma omp parallel
     {
-        /* the input rounded by all the threads (runs of 64 blocks), then multiplied */
-        #pragma omp for schedule(static)
-        for (int64_t b = 0; b < M * K / QK; b += 64) {
-            int64_t e = b + 64 < M * K / QK ? b + 64 : M * K / QK;
-            i16_input(x, xq, xs, b, e, xbits);
-            if (floats)
-                for (int64_t i = b * QK; i < e * QK; i++) xf[i] = (float)xq[i];
+        if (shared_input) {
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b += 64) {
+                int64_t e = b + 64 < blocks ? b + 64 : blocks;
+                i16_input(x, xq, xs, b, e, xbits);
+                if (floats)
+                    for (int64_t i = b * QK; i < e * QK; i++) xf[i] = (float)xq[i];
+            }
         }
         float *sc = scratch ? (float *)aligned_alloc(64, sizeof(float) * 16 * K) : 0;
         if (scratch && !sc) {
