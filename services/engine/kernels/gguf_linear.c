@@ -896,6 +896,12 @@ static inline __attribute__((always_inline)) void i16_ftile_##MR(int fmt, const 
 }
 I16_FTILE(1) I16_FTILE(2) I16_FTILE(3) I16_FTILE(4)
 
+/* Blocks per panel chunk: nb blocks in equal chunks of at most `most` */
+static inline int64_t i16_chunk(int64_t nb, int64_t most) {
+    int64_t chunks = (nb + most - 1) / most;
+    return (nb + chunks - 1) / chunks;
+}
+
 /* Groups g and g + 1 of 8 weight rows (g alone where it is the last) against all M input rows.
    xf: X as float32 [M, K] (where the float32 tiles run); scratch: 16 * K floats (the pair's
    float32 panels, or its 16-bit panel in the first half). A lone group takes the unpanelled
@@ -906,8 +912,7 @@ static inline __attribute__((always_inline)) void i16_group_impl(int fmt, const 
     int pair = g + 1 < N / 8;
     if (pair && xf) {
         /* float32 panels in chunks of at most I16_FPANEL_BLOCKS blocks (as the 16-bit ones below) */
-        int64_t nb = K / QK, chunks = (nb + I16_FPANEL_BLOCKS - 1) / I16_FPANEL_BLOCKS;
-        int64_t chunk = (nb + chunks - 1) / chunks;
+        int64_t nb = K / QK, chunk = i16_chunk(nb, I16_FPANEL_BLOCKS);
         float *fq = scratch;
         for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
             int64_t b1 = b0 + chunk < nb ? b0 + chunk : nb;
@@ -928,8 +933,7 @@ static inline __attribute__((always_inline)) void i16_group_impl(int fmt, const 
         /* the panel in chunks of at most I16_PANEL_BLOCKS blocks (equal ones), so it stays in
            L1 beside the tiles' input rows: each chunk is widened, then every tile runs its
            blocks (K > 1024, two chunks: 576x1536 at 16 rows 1.2x as fast as one panel in L2) */
-        int64_t nb = K / QK, chunks = (nb + I16_PANEL_BLOCKS - 1) / I16_PANEL_BLOCKS;
-        int64_t chunk = (nb + chunks - 1) / chunks;
+        int64_t nb = K / QK, chunk = i16_chunk(nb, I16_PANEL_BLOCKS), chunks = (nb + chunk - 1) / chunk;
         int16_t *ip = (int16_t *)scratch;
         /* the next pair's packed blocks (the next a thread takes, but at the end of its run),
            prefetched a share per tile: its panel then builds from L2 (weights read the first
