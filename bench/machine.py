@@ -49,11 +49,16 @@ def copy_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
     return statistics.median(samples) / 1e9
 
 
-def default_weight_bytes(model_path: Path) -> int:
-    """Bytes of the linear weights one decode step reads in the engine's default mode."""
+def load_model(model_path: Path):
+    """The model's weights as the engine's default mode keeps them (the file's blocks)."""
     from services.engine.loader import load_weights
 
-    loaded = load_weights(model_path, keep_blocks=True)
+    return load_weights(model_path, keep_blocks=True)
+
+
+def default_weight_bytes(loaded) -> int:
+    """Bytes of the linear weights one decode step reads in the engine's default mode
+    (loaded: load_model's)."""
     c = loaded.config
     head = "embed" if c.tie_embeddings else "lm_head"
     total = 0
@@ -66,12 +71,9 @@ def default_weight_bytes(model_path: Path) -> int:
     return total
 
 
-def linear_macs(model_path: Path) -> dict[str, int]:
-    """Multiply-adds per token: `body`, every layer's linears (Q/K/V, O, gate/up, down); `head`,
-    the output head (taken only for rows whose next token is sampled)."""
-    from services.engine.loader import load_weights
-
-    loaded = load_weights(model_path, keep_blocks=True)
+def linear_macs(loaded) -> dict[str, int]:
+    """Multiply-adds per token (loaded: load_model's): `body`, every layer's linears (Q/K/V, O,
+    gate/up, down); `head`, the output head (taken only for rows whose next token is sampled)."""
     c = loaded.config
     head_name = "embed" if c.tie_embeddings else "lm_head"
     shapes = {n: tuple(w.shape) for n, w in loaded.quantized.items()}
@@ -189,13 +191,14 @@ def machine_facts(model_path: Path | None = None, compute: bool = False) -> dict
                                                           "MKL_ENABLE_INSTRUCTIONS") if k in os.environ},
              "copy_bandwidth_gbs": round(copy_bandwidth_gbs(), 2)}
     if model_path is not None:
-        b = default_weight_bytes(model_path)
+        loaded = load_model(model_path)
+        b = default_weight_bytes(loaded)
         facts["default_bytes_per_token"] = b
         facts["roofline_tok_s_one_stream"] = round(facts["copy_bandwidth_gbs"] * 1e9 / b, 1)
     if compute:
         facts["multiply_peak_gmacs"] = multiply_peaks_gmacs()
         if model_path is not None:
-            facts["macs_per_token"] = linear_macs(model_path)
+            facts["macs_per_token"] = linear_macs(loaded)
     return facts
 
 

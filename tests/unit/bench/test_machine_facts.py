@@ -25,14 +25,14 @@ def test_cpu_model_is_empty_where_proc_cpuinfo_is_unreadable(monkeypatch):
 
 
 def test_linear_macs_count_every_layer_linear_and_the_head_of_the_bundled_model():
-    from services.engine.loader import load_weights
     from services.engine.main import default_model_path
 
-    c = load_weights(default_model_path(), keep_blocks=True).config
+    loaded = machine.load_model(default_model_path())
+    c = loaded.config
     per_layer = c.hidden_size * ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim  # Q/K/V
                                  + c.num_heads * c.head_dim                        # O
                                  + 3 * c.intermediate_size)                        # gate, up, down
-    macs = machine.linear_macs(default_model_path())
+    macs = machine.linear_macs(loaded)
     assert macs == {"body": c.num_layers * per_layer, "head": c.vocab_size * c.hidden_size}
 
 
