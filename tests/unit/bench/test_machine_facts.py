@@ -44,15 +44,11 @@ def test_workload_macs_count_prompt_and_fed_back_tokens_in_the_layers_and_one_he
 
 
 def test_multiply_peaks_are_measured_where_the_cpu_has_avx2():
-    import os
-    import shutil
-
     import pytest
 
     if not {"avx2", "fma"} <= machine.isa.hardware_flags():
         pytest.skip("no AVX2/FMA on this CPU: the peaks are not measured")
-    if not shutil.which("gcc") and not os.environ.get("CI"):
-        pytest.skip("no C compiler")
+    # with AVX2 the peaks must be measured: a missing C compiler fails here, as the kernels do
     peaks = machine.multiply_peaks_gmacs(repeats=1)
     assert set(peaks) == {"int16_madd_avx2", "f32_fma_avx2"}
     assert all(v > 0 for v in peaks.values())
