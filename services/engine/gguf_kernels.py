@@ -33,12 +33,16 @@ FORMATS: dict[str, tuple[int, int, int]] = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32,
                                             "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
 # ISA name -> (compiler flags, /proc/cpuinfo flags it needs), best first
 ISAS: dict[str, tuple[list[str], frozenset[str]]] = {
-    "avx512bf16": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2",
-                    "-mfma", "-mf16c"],
-                   frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx2", "fma",
-                              "f16c"})),
+    "avx512bf16": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16",
+                    "-mavx2", "-mfma", "-mf16c"],
+                   frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx2",
+                              "fma", "f16c"})),
+    "avx512vnni": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
+                    "-mf16c"],
+                   frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"})),
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
                frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"})),
+    "avxvnni": (["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], frozenset({"avx2", "fma", "f16c", "avx_vnni"})),
     "avx2": (["-mavx2", "-mfma", "-mf16c"], frozenset({"avx2", "fma", "f16c"})),
 }
 # Reproduces the reference dequantizer's rounding: its multiply and add are never fused.

@@ -1,8 +1,11 @@
 /* Linear layers over a GGUF file's own quantized blocks: y[m, n] = sum_k x[m, k] * w[n, k].
 
-   Built up to three times from this one source (gguf_kernels.py picks the build the CPU runs):
+   Built up to five times from this one source (gguf_kernels.py picks the build the CPU runs):
      -mavx2 -mfma -mf16c                  8 float lanes (the baseline every x86 here has)
-     -mavx512f -mavx512bw -mavx512vl ...  16 float lanes (where /proc/cpuinfo lists them)
+     the same plus -mavxvnni              VPDPWSSD in the 16-bit-input kernel (gguf_linear_i16)
+     -mavx512f -mavx512bw -mavx512vl ...  16 float lanes (where /proc/cpuinfo lists them), and
+                                          64-byte panel tiles in gguf_linear_i16
+     the same plus -mavx512vnni          their VPDPWSSD
      the same plus -mavx512bf16          also gguf_linear_bf16: bfloat16 arithmetic (at the end)
 
    w is read in the file's layout: row n is K / 32 consecutive blocks of the file's type.
@@ -79,6 +82,8 @@ typedef __m512i vi;
 #define vcvt(i) _mm512_cvtepi32_ps(i)
 #if defined(__AVX512BF16__)
 #define ISA_NAME "avx512bf16"
+#elif defined(__AVX512VNNI__)
+#define ISA_NAME "avx512vnni"
 #else
 #define ISA_NAME "avx512"
 #endif
@@ -120,7 +125,11 @@ typedef __m256i vi;
 #define vloada(p) _mm256_load_ps(p)
 #define vstorea(p, v) _mm256_store_ps(p, v)
 #define vcvt(i) _mm256_cvtepi32_ps(i)
+#if defined(__AVXVNNI__)
+#define ISA_NAME "avxvnni"
+#else
 #define ISA_NAME "avx2"
+#endif
 static inline float vhsum(vf v) {
     __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     t = _mm_add_ps(t, _mm_movehl_ps(t, t));
@@ -578,6 +587,16 @@ int gguf_dequantize(int fmt, const uint8_t *w, float *out, int64_t N, int64_t K)
    0.75-0.9x float32 there). */
 #if defined(__AVX2__)
 #define I16_MR 4  /* input rows per tile */
+/* acc + the pairwise products of w and x in each 32-bit lane: one VPDPWSSD where the build has
+   AVX-VNNI (256-bit, the AVX2 kind's: Alder Lake on, Sierra Forest) or AVX512-VNNI, else
+   VPMADDWD + VPADDD; the same integers either way (VPDPWSSD does not saturate) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define I16_YDOT(acc, w, x) _mm256_dpwssd_epi32(acc, w, x)
+#elif defined(__AVXVNNI__)
+#define I16_YDOT(acc, w, x) _mm256_dpwssd_avx_epi32(acc, w, x)
+#else
+#define I16_YDOT(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(w, x))
+#endif
 
 static inline int64_t i16_unit_bytes(int fmt) {
     return fmt == FMT_Q8_0 ? 8 * 34 : fmt == FMT_Q4_0 ? 8 * 18 : fmt == FMT_Q4_1 ? 8 * 20 : 0;
@@ -726,7 +745,7 @@ static inline __attribute__((always_inline)) void i16_tile_##MR(int fmt, const i
                 UNROLL for (int j = 0; j < MR; j++) {                                                \
                     int32_t xp;                                                                      \
                     memcpy(&xp, xq + (j0 + j) * K + b * QK + 2 * (4 * c + i), 4);                    \
-                    P[j] = _mm256_add_epi32(P[j], _mm256_madd_epi16(pv[i], _mm256_set1_epi32(xp))); \
+                    P[j] = I16_YDOT(P[j], pv[i], _mm256_set1_epi32(xp));                     \
                 }                                                                                    \
         }                                                                                            \
         __m256 d, m;                                                                                 \
@@ -743,7 +762,14 @@ I16_TILE(1) I16_TILE(2) I16_TILE(3) I16_TILE(4)
    to I16_PMR input rows reads its pair vectors from there: no nibble unpacking per input row,
    one broadcast of X's pair serving 16 rows (two VPMADDWD). The same exact block sums: the same
    bits as i16_tile. */
+#if defined(__AVX512BW__)
+/* the 64-byte tiles below (i16_ztile) pay from 4 rows: SmolLM2's 3072x576 and 576x1536 Q4_1
+   matrices at 4 / 5 / 7 rows 1.04-1.11x / 1.2-1.3x / 1.15-1.35x the direct tiles' GMAC/s on the
+   AMX Xeon's AVX512-VNNI build; 3 rows 0.94-1.02x */
+#define I16_PANEL_ROWS 4
+#else
 #define I16_PANEL_ROWS 8
+#endif
 #define I16_PANEL_BLOCKS 32  /* blocks of a panel chunk: 32 KB of 16-bit weights at most */
 #define I16_ROW_RUN 256
 #define I16_SHARED_INPUT 256  /* input blocks from which all threads round the input */
@@ -794,8 +820,8 @@ static inline __attribute__((always_inline)) void i16_ptile_##MR(int fmt, const 
                 int32_t xp;                                                                          \
                 memcpy(&xp, xq + (j0 + j) * K + b * QK + 2 * p, 4);                                  \
                 __m256i xb = _mm256_set1_epi32(xp);                                                  \
-                P0[j] = _mm256_add_epi32(P0[j], _mm256_madd_epi16(w0, xb));                          \
-                P1[j] = _mm256_add_epi32(P1[j], _mm256_madd_epi16(w1, xb));                          \
+                P0[j] = I16_YDOT(P0[j], w0, xb);                                                   \
+                P1[j] = I16_YDOT(P1[j], w1, xb);                                                   \
             }                                                                                        \
         }                                                                                            \
         __m256 d0, m0, d1, m1;                                                                       \
@@ -813,6 +839,97 @@ static inline __attribute__((always_inline)) void i16_ptile_##MR(int fmt, const 
     }                                                                                                \
 }
 I16_PTILE(1) I16_PTILE(2) I16_PTILE(3)
+
+#if defined(__AVX512BW__)
+/* The AVX-512 builds' panel tile: a pair vector of the two groups' panel (16 rows, 2 words
+   each) is one 64-byte vector, so each broadcast of X's pair meets 16 rows in one instruction:
+   VPDPWSSD where the build has AVX512-VNNI (both products and the 32-bit sum in one
+   instruction: the same integers, no saturation), else VPMADDWD + VPADDD. Lanes 0-7 are group
+   g's rows, 8-15 group g + 1's, and each lane goes through i16_ptile's operations in its
+   order: the same bits. 32 vector registers hold I16_ZMR rows' integer and float32 sums. */
+#if defined(__AVX512VNNI__)
+#define I16_ZDOT(acc, w, x) _mm512_dpwssd_epi32(acc, w, x)
+#else
+#define I16_ZDOT(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(w, x))
+#endif
+#define I16_ZMR 8
+#define I16_TILE_ROWS I16_ZMR
+
+/* The two groups' d and m on 16 lanes (i16_dm's for each group, side by side) */
+static inline __attribute__((always_inline)) void i16_dm2(int fmt, const uint8_t *u0, const uint8_t *u1,
+                                                         __m512 *d, __m512 *m) {
+    __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)u0)),
+                                        _mm_loadu_si128((const __m128i *)u1), 1);
+    *d = _mm512_cvtph_ps(h);
+    if (fmt == FMT_Q4_1) {
+        h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(u0 + 16))),
+                                    _mm_loadu_si128((const __m128i *)(u1 + 16)), 1);
+        *m = _mm512_cvtph_ps(h);
+    } else {
+        *m = _mm512_mul_ps(*d, _mm512_set1_ps(-8.0f));
+    }
+}
+
+#define I16_ZTILE(MR)                                                                                \
+static inline __attribute__((always_inline)) void i16_ztile_##MR(int fmt, const int16_t *xq,        \
+        const float *xs, const uint8_t *pk, const int16_t *ip, float *y, int64_t j0, int64_t g,      \
+        int64_t N, int64_t K, int64_t b0, int64_t b1) {                                              \
+    int64_t nb = K / QK, ub = i16_unit_bytes(fmt);                                                   \
+    const uint8_t *u0 = pk + (g * nb + b0) * ub, *u1 = u0 + nb * ub;                                 \
+    __m512 A[MR];                                                                                    \
+    UNROLL for (int j = 0; j < MR; j++)                                                              \
+        A[j] = b0 ? _mm512_loadu_ps(y + (j0 + j) * N + 8 * g) : _mm512_setzero_ps();                 \
+    for (int64_t b = b0; b < b1; b++, u0 += ub, u1 += ub) {                                          \
+        __m512i P[MR];                                                                               \
+        UNROLL for (int j = 0; j < MR; j++) P[j] = _mm512_setzero_si512();                           \
+        const int16_t *w = ip + (b - b0) * 16 * 32;                                                  \
+        const int16_t *x = xq + j0 * K + b * QK;                                                     \
+        _Pragma("GCC unroll 2") for (int p = 0; p < 16; p++) {                                       \
+            __m512i wv = _mm512_load_si512((const void *)(w + 32 * p));                              \
+            UNROLL for (int j = 0; j < MR; j++) {                                                    \
+                int32_t xp;                                                                          \
+                memcpy(&xp, x + j * K + 2 * p, 4);                                                   \
+                P[j] = I16_ZDOT(P[j], wv, _mm512_set1_epi32(xp));                                    \
+            }                                                                                        \
+        }                                                                                            \
+        __m512 d, m;                                                                                 \
+        i16_dm2(fmt, u0, u1, &d, &m);                                                                \
+        UNROLL for (int j = 0; j < MR; j++) {                                                        \
+            const float *sx = xs + ((j0 + j) * nb + b) * 2;                                          \
+            A[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P[j]), _mm512_mul_ps(d, _mm512_set1_ps(sx[0])), A[j]); \
+            if (fmt != FMT_Q8_0) A[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[1]), A[j]);             \
+        }                                                                                            \
+    }                                                                                                \
+    UNROLL for (int j = 0; j < MR; j++) _mm512_storeu_ps(y + (j0 + j) * N + 8 * g, A[j]);            \
+}
+I16_ZTILE(1) I16_ZTILE(2) I16_ZTILE(3) I16_ZTILE(4) I16_ZTILE(5) I16_ZTILE(6) I16_ZTILE(7) I16_ZTILE(8)
+
+static inline __attribute__((always_inline)) void i16_panel_tile(int fmt, const int16_t *xq, const float *xs,
+        const uint8_t *pk, const int16_t *ip, float *y, int64_t rows, int64_t j0, int64_t g, int64_t N,
+        int64_t K, int64_t b0, int64_t b1) {
+    switch (rows) {
+        case 1: i16_ztile_1(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        case 2: i16_ztile_2(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        case 3: i16_ztile_3(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        case 4: i16_ztile_4(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        case 5: i16_ztile_5(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        case 6: i16_ztile_6(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        case 7: i16_ztile_7(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        default: i16_ztile_8(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+    }
+}
+#else
+#define I16_TILE_ROWS I16_PMR
+static inline __attribute__((always_inline)) void i16_panel_tile(int fmt, const int16_t *xq, const float *xs,
+        const uint8_t *pk, const int16_t *ip, float *y, int64_t rows, int64_t j0, int64_t g, int64_t N,
+        int64_t K, int64_t b0, int64_t b1) {
+    switch (rows) {
+        case 1: i16_ptile_1(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        case 2: i16_ptile_2(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        default: i16_ptile_3(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+    }
+}
+#endif
 
 /* Where VPMADDWD is slow (Zen 1 and 2: one 256-bit VPMADDWD a cycle at most, no faster than
    two FMAs), from this many input rows on the float32 panel path instead (i16_ftile): the same
@@ -938,19 +1055,15 @@ static inline __attribute__((always_inline)) void i16_group_impl(int fmt, const 
         /* the next pair's packed blocks (the next a thread takes, but at the end of its run),
            prefetched a share per tile: its panel then builds from L2 (weights read the first
            time in a step: 16 rows 3-12% faster on the AVX2-capped Xeon, 64 rows 2-3%) */
-        int64_t pair_bytes = 2 * nb * i16_unit_bytes(fmt), tiles = (M + I16_PMR - 1) / I16_PMR * chunks;
+        int64_t pair_bytes = 2 * nb * i16_unit_bytes(fmt), tiles = (M + I16_TILE_ROWS - 1) / I16_TILE_ROWS * chunks;
         int64_t lines = g + 3 < N / 8 ? pair_bytes / 64 : 0, per = (lines + tiles - 1) / tiles;
         const char *next = (const char *)(pk + (g + 2) * nb * i16_unit_bytes(fmt));
         for (int64_t b0 = 0, t = 0; b0 < nb; b0 += chunk) {
             int64_t b1 = b0 + chunk < nb ? b0 + chunk : nb;
             i16_ipanel(fmt, pk, ip, g, K, b0, b1);
-            for (int64_t j0 = 0; j0 < M; j0 += I16_PMR, t++) {
+            for (int64_t j0 = 0; j0 < M; j0 += I16_TILE_ROWS, t++) {
                 for (int64_t l = t * per; l < (t + 1) * per && l < lines; l++) _mm_prefetch(next + 64 * l, _MM_HINT_T1);
-                switch (M - j0 < I16_PMR ? M - j0 : I16_PMR) {
-                    case 1: i16_ptile_1(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
-                    case 2: i16_ptile_2(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
-                    default: i16_ptile_3(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
-                }
+                i16_panel_tile(fmt, xq, xs, pk, ip, y, M - j0 < I16_TILE_ROWS ? M - j0 : I16_TILE_ROWS, j0, g, N, K, b0, b1);
             }
         }
         return;

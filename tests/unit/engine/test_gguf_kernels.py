@@ -342,9 +342,10 @@ def float_rows(glib):
 @pytest.mark.parametrize("k", [256, 1088])
 def test_i16_kernel_is_the_files_weights_times_the_rounded_input(glib, float_rows, kind, k):
     # N = 40: five groups of 8 rows (two pairs and one alone). By rows: integer tiles of up to 4
-    # input rows on the packed blocks, then (from 8 rows, from 16 where K > 1024) on a 16-bit
-    # panel of a pair of groups, in runs of 256 rows; or, where a CPU's integer multiplies are
-    # slow, float32 tiles from 12 rows. Every path, the same bits.
+    # input rows on the packed blocks, then (from 8 rows, from 4 in the AVX-512 builds) on a
+    # 16-bit panel of a pair of groups (in chunks of blocks where K > 1024; the AVX-512 builds'
+    # tiles 64 bytes wide), in runs of 256 rows; or, where a CPU's integer multiplies are slow,
+    # float32 tiles from 12 rows. Every path, the same bits.
     w = blocks(kind, 40, k, seed=3)
     packed = gguf_kernels.pack_i16(glib, w)
     assert packed.shape == w.blocks.shape and packed.dtype == torch.uint8
@@ -367,6 +368,27 @@ def test_i16_kernel_is_the_files_weights_times_the_rounded_input(glib, float_row
                 assert torch.equal(part, full[at:at + m]), (rows, m, at)
     assert gguf_kernels.linear_i16(glib, x[:0], packed, w).shape == (0, 40)
     assert float_rows(-1) == 12  # -1 reads the setting
+
+
+@pytest.mark.parametrize("kind", gguf_kernels.I16_FORMATS)
+def test_i16_kernel_gives_the_same_bits_in_every_build(kind):
+    # the AVX2 build's VPMADDWD + VPADDD, AVX-VNNI's and AVX512-VNNI's VPDPWSSD, the AVX-512
+    # builds' 64-byte panel tiles: the same integers and the same float32 operations per row,
+    # so a fleet of mixed CPUs decodes the same tokens (the builds this CPU runs; two at least
+    # on any CPU with AVX-512)
+    isas = gguf_kernels.runnable_isas()
+    if len(isas) < 2:
+        pytest.skip("this CPU runs one build of the kernel")
+    libs = {name: gguf_kernels.load(name) for name in isas}
+    for k in (256, 1088):
+        w = blocks(kind, 48, k, seed=k)
+        x = torch.randn(257, k, generator=torch.Generator().manual_seed(5)) * 3
+        want = {}
+        for name, lib in libs.items():
+            packed = gguf_kernels.pack_i16(lib, w)
+            for m in (*range(1, 21), 40, 257):
+                got = gguf_kernels.linear_i16(lib, x[:m], packed, w)
+                assert torch.equal(got, want.setdefault(m, got)), (name, k, m)
 
 
 def test_i16_kernel_takes_only_its_formats_in_rows_of_eight(glib):
@@ -426,9 +448,8 @@ def test_decode_dtype_follows_the_cpu_unless_chosen():
     assert decode_in_int16("int16", "cpu") == have and not decode_in_bfloat16("int16", "cpu")
     assert not decode_in_int16("float32", "cpu") and not decode_in_int16("bfloat16", "cpu")
     assert not decode_in_int16("auto", "cuda")
-    # prompt rows: int16 by default only where the AVX2 build's integer multiplies are the faster
-    lib = gguf_kernels.load()
-    fast16 = (have and not native_bfloat16() and lib.gguf_isa() == b"avx2" and gguf_kernels.int16_multiplies_fast())
+    # prompt rows: int16 by default where bfloat16 is not native and integer multiplies are the faster
+    fast16 = have and not native_bfloat16() and gguf_kernels.int16_multiplies_fast()
     assert prefill_in_int16("auto", "cpu") == fast16
     assert not prefill_in_int16("auto", "cpu", decode_int16=False)  # auto: as the decode rows
     assert prefill_in_int16("int16", "cpu") == have and not prefill_in_bfloat16("int16", "cpu")
