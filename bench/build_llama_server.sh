@@ -6,7 +6,10 @@
 #   bench/build_llama_server.sh [WORKDIR] [ISA]    # prints the binary's path; 5-15 min on 2 cores
 # ISA `avx2` builds without any AVX-512 or AVX-VNNI kernel (into build-avx2/), the build an
 # AVX2-only CPU gets: the peer for `--isa avx2` runs of bench/engine_concurrency.py and
-# bench/engine_cpu.py on a machine that has more. llama-bench is built beside the server.
+# bench/engine_cpu.py on a machine that has more. `avxvnni` (build-avxvnni/) adds AVX-VNNI
+# where the CPU has it (an Alder Lake's build); `avx512` (build-avx512/) the AVX-512 family
+# less BF16 (a Cascade Lake's or Ice Lake's): the peers for `--isa avxvnni` / `--isa avx512`.
+# llama-bench is built beside the server.
 set -euo pipefail
 work="${1:-${TMPDIR:-/tmp}/llama-server-build}"
 isa="${2:-native}"
@@ -23,7 +26,9 @@ build=build
 case "$isa" in
     native) ;;
     avx2) build=build-avx2; has() { echo OFF; } ;;
-    *) echo "ISA must be native or avx2, not $isa" >&2; exit 2 ;;
+    avxvnni) build=build-avxvnni; has() { [ "$1" = avx_vnni ] && grep -qw avx_vnni /proc/cpuinfo && echo ON || echo OFF; } ;;
+    avx512) build=build-avx512; has() { [ "$1" != avx512_bf16 ] && grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; } ;;
+    *) echo "ISA must be native, avx512, avxvnni or avx2, not $isa" >&2; exit 2 ;;
 esac
 cmake -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_F16C=ON \
     -DGGML_FMA=ON -DGGML_BMI2=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI="$(has avx_vnni)" \

@@ -94,15 +94,17 @@ PEAK_SOURCE = ROOT / "bench" / "multiply_peak.c"
 
 
 def multiply_peaks_gmacs(repeats: int = 7) -> dict[str, float]:
-    """The AVX2 multiply-add peaks of all this process's cores in GMAC/s (medians):
-    {"int16_madd_avx2", "f32_fma_avx2"}; {} where the CPU has no AVX2/FMA or there is no C
-    compiler. Measured in a child process (its own OpenMP team, one thread a core)."""
+    """The 256-bit multiply-add peaks of all this process's cores in GMAC/s (medians):
+    {"int16_madd_avx2", "f32_fma_avx2"}, and "int16_vnni_avx2" where the CPU has AVX-VNNI under
+    the ISA cap; {} where it has no AVX2/FMA or there is no C compiler. Measured in a child
+    process (its own OpenMP team, one thread a core)."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not {"avx2", "fma"} <= isa.hardware_flags() or not cc:
         return {}
+    vnni = ["-mavxvnni"] if "avx_vnni" in isa.cpu_flags() else []
     with tempfile.TemporaryDirectory() as tmp:
         lib = Path(tmp) / "multiply_peak.so"
-        subprocess.run([cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", str(PEAK_SOURCE),
+        subprocess.run([cc, "-O3", "-mavx2", "-mfma", *vnni, "-fopenmp", "-shared", "-fPIC", str(PEAK_SOURCE),
                         "-o", str(lib)], check=True)
         env = {**os.environ, "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))), "OMP_PROC_BIND": "true"}
         out = subprocess.run([sys.executable, __file__, "--peaks", str(lib), str(repeats)], env=env,
@@ -113,7 +115,10 @@ def multiply_peaks_gmacs(repeats: int = 7) -> dict[str, float]:
 def _run_peaks(lib_path: str, repeats: int) -> dict[str, float]:
     lib = ctypes.CDLL(lib_path)
     peaks = {}
-    for key, name in (("int16_madd_avx2", "int16_panel_peak"), ("f32_fma_avx2", "f32_fma_peak")):
+    for key, name in (("int16_madd_avx2", "int16_panel_peak"), ("f32_fma_avx2", "f32_fma_peak"),
+                      ("int16_vnni_avx2", "int16_vnni_peak")):
+        if not hasattr(lib, name):  # built without AVX-VNNI
+            continue
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_int64]
         steps = 10**6
@@ -158,7 +163,7 @@ def run_capped(level: str) -> None:
 def peer_env(env: dict[str, str]) -> dict[str, str]:
     """A peer's environment under the cap: torch's CPU-feature queries, which vLLM uses to pick
     its kernel build, answer as that CPU would (bench/isa_shim/sitecustomize.py)."""
-    if isa.cap() in ("avx2", "none"):
+    if isa.cap() in ("avxvnni", "avx2", "none"):
         env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ISA_SHIM), env.get("PYTHONPATH")]))}
     return env
 

@@ -8,8 +8,12 @@
    f32_fma_peak: twelve independent 8-lane FMA chains (enough to cover FMA's latency on two
      ports): 96 multiply-adds a step, the float32 GEMMs' (MKL's, oneDNN's) ceiling.
 
+   int16_vnni_peak (built where the CPU has AVX-VNNI): the same tile with VPDPWSSD, products
+     and sum in one instruction, as the engine's AVX-VNNI build runs it; twelve independent
+     sums (two weight vectors x six input pairs) cover its latency: 192 multiply-adds a step.
+
    Each returns the multiply-adds done by all threads in `steps` steps each. Built by
-   bench/machine.py with -O3 -mavx2 -mfma -fopenmp. */
+   bench/machine.py with -O3 -mavx2 -mfma -fopenmp (and -mavxvnni where the CPU has it). */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -58,3 +62,31 @@ double f32_fma_peak(int64_t steps) {
     }
     return total;
 }
+
+#if defined(__AVXVNNI__)
+double int16_vnni_peak(int64_t steps) {
+    double total = 0;
+    _Pragma("omp parallel reduction(+:total)")
+    {
+        __m256i w0 = _mm256_set1_epi16((short)(3 + omp_get_thread_num())), w1 = _mm256_set1_epi16(5);
+        __m256i x[6], P0[6], P1[6];
+        for (int j = 0; j < 6; j++) {
+            x[j] = _mm256_set1_epi32(0x00010002 + j);
+            P0[j] = P1[j] = _mm256_setzero_si256();
+        }
+        for (int64_t i = 0; i < steps; i++) {
+            _Pragma("GCC unroll 6") for (int j = 0; j < 6; j++) {
+                P0[j] = _mm256_dpwssd_avx_epi32(P0[j], w0, x[j]);
+                P1[j] = _mm256_dpwssd_avx_epi32(P1[j], w1, x[j]);
+            }
+            __asm__ volatile("" : "+x"(w0), "+x"(w1));
+        }
+        __m256i s = _mm256_setzero_si256();
+        for (int j = 0; j < 6; j++) s = _mm256_add_epi32(s, _mm256_add_epi32(P0[j], P1[j]));
+        volatile int32_t sink = _mm256_extract_epi32(s, 0);
+        (void)sink;
+        total += (double)steps * 192;
+    }
+    return total;
+}
+#endif

@@ -9,7 +9,8 @@ caps a machine to measure what a CPU without its extensions gets. Levels, highes
 
     auto        everything the CPU has (the default)
     avx512bf16  no AMX
-    avx512      no AMX, AVX512-BF16 or AVX512-FP16
+    avx512      no AMX, AVX512-BF16 or AVX512-FP16 (Cascade Lake, Ice Lake: AVX512-VNNI stays)
+    avxvnni     no AMX, no AVX-512: AVX2 and AVX-VNNI (Alder Lake on, Sierra Forest)
     avx2        AVX2/FMA/F16C: no AMX, no AVX-512, no AVX-VNNI and its kin (an AVX2-only CPU)
     none        no AVX at all: the kernels step aside and torch computes
 
@@ -23,13 +24,14 @@ import os
 from pathlib import Path
 
 CPU_ISA_ENV = "TOKENSERVE_CPU_ISA"
-LEVELS = ("auto", "avx512bf16", "avx512", "avx2", "none")  # highest first
+LEVELS = ("auto", "avx512bf16", "avx512", "avxvnni", "avx2", "none")  # highest first
 
 # level -> the flag prefixes (and exact names) it leaves out
 _DROPPED: dict[str, tuple[str, ...]] = {
     "auto": (),
     "avx512bf16": ("amx",),
     "avx512": ("amx", "avx512_bf16", "avx512_fp16"),
+    "avxvnni": ("amx", "avx512"),
     "avx2": ("amx", "avx512", "avx_"),
     "none": ("amx", "avx", "fma", "f16c"),
 }
@@ -37,6 +39,7 @@ _TORCH_ENV: dict[str, dict[str, str]] = {
     "auto": {},
     "avx512bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
     "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
+    "avxvnni": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "none": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
              "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},

@@ -19,6 +19,7 @@ def test_each_level_keeps_what_a_cpu_of_that_kind_has():
     assert isa.capped(FLAGS, "auto") == FLAGS
     assert isa.capped(FLAGS, "avx512bf16") == FLAGS - {"amx_tile", "amx_bf16"}
     assert isa.capped(FLAGS, "avx512") == FLAGS - {"amx_tile", "amx_bf16", "avx512_bf16", "avx512_fp16"}
+    assert isa.capped(FLAGS, "avxvnni") == {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni"}
     assert isa.capped(FLAGS, "avx2") == {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
     assert isa.capped(FLAGS, "none") == {"sse4_2", "bmi2"}
 
@@ -34,8 +35,8 @@ def test_the_cap_is_read_from_the_environment(monkeypatch):
 
 def test_an_unknown_level_names_the_ones_there_are(monkeypatch):
     monkeypatch.setenv(isa.CPU_ISA_ENV, "avx3")
-    with pytest.raises(ValueError, match="TOKENSERVE_CPU_ISA must be one of auto, avx512bf16, avx512, avx2,"
-                                         " none, not 'avx3'"):
+    with pytest.raises(ValueError, match="TOKENSERVE_CPU_ISA must be one of auto, avx512bf16, avx512, avxvnni,"
+                                         " avx2, none, not 'avx3'"):
         isa.cpu_flags()
 
 
@@ -54,7 +55,8 @@ def test_the_engine_refuses_an_unknown_level_at_start():
     done = subprocess.run([sys.executable, "-m", "services.engine"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, isa.CPU_ISA_ENV: "avx3"})
     assert done.returncode == 2
-    assert ("error: TOKENSERVE_CPU_ISA must be one of auto, avx512bf16, avx512, avx2, none, not 'avx3'"
+    assert ("error: TOKENSERVE_CPU_ISA must be one of auto, avx512bf16, avx512, avxvnni, avx2, none,"
+            " not 'avx3'"
             in done.stderr)
 
 
