@@ -163,7 +163,7 @@ def run_capped(level: str) -> None:
 def peer_env(env: dict[str, str]) -> dict[str, str]:
     """A peer's environment under the cap: torch's CPU-feature queries, which vLLM uses to pick
     its kernel build, answer as that CPU would (bench/isa_shim/sitecustomize.py)."""
-    if isa.cap() in ("avxvnni", "avx2", "none"):
+    if isa.cap() in ("avx512", "avxvnni", "avx2", "none"):
         env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ISA_SHIM), env.get("PYTHONPATH")]))}
     return env
 
