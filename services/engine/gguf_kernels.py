@@ -58,6 +58,7 @@ AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 INTERLEAVED_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 # Formats gguf_linear.c's 16-bit-input decode kernel serves (its rows in groups of 8)
 I16_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+I8_FORMATS = ("Q4_0", "Q4_1")  # gguf_linear_i8 (the 4-bit ones: unsigned quads)
 
 
 # Where int16_multiplies_fast() is False, gguf_linear_i16 forms its block sums with float32 FMAs
@@ -108,6 +109,9 @@ def load(isa: str | None = None, cache_dir: Path | None = None) -> ctypes.CDLL |
         lib.gguf_pack_i16.argtypes = lib.gguf_dequantize.argtypes
         lib.gguf_linear_i16.argtypes = lib.gguf_linear.argtypes
         lib.gguf_input_i16.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.gguf_linear_i8.restype = lib.gguf_input_i8.restype = ctypes.c_int
+        lib.gguf_linear_i8.argtypes = lib.gguf_linear.argtypes
+        lib.gguf_input_i8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.gguf_i16_float_rows.restype = ctypes.c_int64
         lib.gguf_i16_float_rows.argtypes = [ctypes.c_int64]
         # the same bits either way: float32 tiles from 12 rows where integer multiplies are slow
@@ -308,6 +312,29 @@ def linear_i16(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, w: GGUFW
     if rc != 0:
         raise (MemoryError if rc == -2 else ValueError)(f"gguf_linear_i16 rejected a {w.kind} {n}x{k} matrix")
     return y
+
+
+def linear_i8(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """x: float32 [M, K] (made contiguous) -> x @ w.T, float32 [M, N], for a Q4_0 / Q4_1 matrix
+    (I8_FORMATS) with `packed` = pack_i16(lib, w): the file's exact weights, x rounded per block
+    of 32 to int8 as llama.cpp rounds its Q8_0 activations (`input_i8`), each block's products
+    summed exactly."""
+    x = x.contiguous()
+    n, k = w.shape
+    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    rc = lib.gguf_linear_i8(FORMATS[w.kind][0], x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], n, k)
+    if rc != 0:
+        raise (MemoryError if rc == -2 else ValueError)(f"gguf_linear_i8 rejected a {w.kind} {n}x{k} matrix")
+    return y
+
+
+def input_i8(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """x (float32 [M, K], K a multiple of 32) as `linear_i8` rounds it: float32."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if lib.gguf_input_i8(x.data_ptr(), out.data_ptr(), *x.shape) != 0:
+        raise ValueError(f"gguf_input_i8 rejected a {tuple(x.shape)} input")
+    return out
 
 
 def input_i16(lib: ctypes.CDLL, x: torch.Tensor, kind: str) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
    Built up to five times from this one source (gguf_kernels.py picks the build the CPU runs):
      -mavx2 -mfma -mf16c                  8 float lanes (the baseline every x86 here has)
-     the same plus -mavxvnni              VPDPWSSD in the 16-bit-input kernel (gguf_linear_i16)
+     the same plus -mavxvnni              VPDPWSSD in the 16-bit-input kernel (gguf_linear_i16),
+                                          VPDPBUSD in the 8-bit-input one (gguf_linear_i8)
      -mavx512f -mavx512bw -mavx512vl ...  16 float lanes (where /proc/cpuinfo lists them), and
                                           64-byte panel tiles in gguf_linear_i16
      the same plus -mavx512vnni          their VPDPWSSD
@@ -1169,6 +1170,292 @@ int gguf_input_i16(int fmt, const float *x, float *out, int64_t M, int64_t K) {
         return -2;
     }
     i16_input(x, xq, xs, 0, M * K / QK, i16_bits(fmt));
+    for (int64_t i = 0; i < M * K; i++) out[i] = (float)xq[i] * xs[(i / QK) * 2];
+    free(xq);
+    free(xs);
+    return 0;
+}
+
+/* ---- 8-bit input: gguf_linear_i8 (prompt rows, --prefill-dtype int8) ----
+   The 4-bit formats' exact weights (gguf_pack_i16's layout: no copy of its own) against the
+   input rounded per block of 32 to int8 as llama.cpp rounds its Q8_0 activations, X =
+   round(x * 127 / max|x|), s = max|x| / 127 (7 bits of the block's largest, where bfloat16
+   keeps 8 of each number and the 16-bit kernel 15). Each block's 32 products are summed
+   exactly (|sum| <= 32 * 15 * 127 < 2^16) and then scaled as i16_scaled does: P * (d * s),
+   then m * (s * sum(X)), blocks in order. The same bits in every build, tile and M.
+   A weight quad holds a row's 4 consecutive nibbles as bytes (0..15: unsigned, as VPMADDUBSW
+   and VPDPBUSD take their first operand), so one instruction multiplies 4 weights of 8 (ymm)
+   or 16 (zmm) rows by a broadcast of 4 input bytes: twice the products of VPMADDWD /
+   VPDPWSSD. Without VNNI, VPMADDUBSW's 16-bit pair sums (|.| <= 2 * 15 * 127) are added in 16
+   bits over a block's 8 quads (<= 30,480: no saturation) and widened once by VPMADDWD with
+   ones; with AVX-VNNI / AVX512-VNNI, VPDPBUSD sums into 32 bits directly.
+   Panel (i8_ipanel, once per call for a pair of groups, from the packed nibbles): ip [nb][8
+   quads][2 groups][32 bytes], 32-bit lane L of a group's quad q holding row L's elements 4q ..
+   4q + 3. */
+#define I8_PANEL_BLOCKS 64  /* 32 KB of quads at most */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define I8_YDOT(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
+#define I8_YSUM(P) (P)
+#elif defined(__AVXVNNI__)
+#define I8_YDOT(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
+#define I8_YSUM(P) (P)
+#else
+#define I8_YDOT(acc, w, x) _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x))
+#define I8_YSUM(P) _mm256_madd_epi16(P, _mm256_set1_epi16(1))
+#endif
+
+/* x [M, K] -> xq [M, K] (int8) and per block {s, s * sum(X)} at xs: blocks [b0, b1) */
+static void i8_input(const float *x, int8_t *xq, float *xs, int64_t b0, int64_t b1) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = b0 * QK; i < b1 * QK; i += QK) {
+        __m256 v[4], mx = _mm256_setzero_ps();
+        UNROLL for (int c = 0; c < 4; c++) {
+            v[c] = _mm256_loadu_ps(x + i + 8 * c);
+            mx = _mm256_max_ps(mx, _mm256_and_ps(v[c], absmask));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        float top = _mm_cvtss_f32(h);
+        /* blocks below 2^-100 (and NaN's, which compare false) round to zero */
+        int zero = !(top >= 0x1p-100f);
+        float s = zero ? 0.0f : top / 127.0f;
+        __m256 iv = _mm256_set1_ps(zero ? 0.0f : 127.0f / top);
+        __m256i q[4], sum = _mm256_setzero_si256();
+        UNROLL for (int c = 0; c < 4; c++) {  /* to nearest even, within +-127 */
+            q[c] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[c], iv)), hi), lo);
+            sum = _mm256_add_epi32(sum, q[c]);
+        }
+        __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + i), _mm256_permutevar8x32_epi32(b, order));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+        xs[(i / QK) * 2] = s;
+        xs[(i / QK) * 2 + 1] = s * (float)_mm_cvtsi128_si32(t);
+    }
+}
+
+/* Groups g and g + 1 (g alone: `two` 0, the second half zero) of a 4-bit matrix's packed
+   blocks [b0, b1) -> ip (the quads above) */
+static inline __attribute__((always_inline)) void i8_ipanel(int fmt, const uint8_t *pk, uint8_t *ip,
+        int64_t g, int two, int64_t K, int64_t b0, int64_t b1) {
+    int64_t nb = K / QK, ub = i16_unit_bytes(fmt);
+    /* per 128-bit half of packus(pair 2c, pair 2c + 1): lane L's words of the two pairs */
+    const __m256i ctl = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                         0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *u = pk + ((g + h) * nb + b0) * ub;
+        for (int64_t b = 0; b < b1 - b0; b++, u += ub) {
+            uint8_t *o = ip + b * 512 + h * 32;
+            if (h && !two) {
+                for (int q = 0; q < 8; q++) _mm256_store_si256((__m256i *)(o + 64 * q), _mm256_setzero_si256());
+                continue;
+            }
+            UNROLL for (int c = 0; c < 4; c++) {
+                __m256i pv[4];
+                i16_quad(u + i16_pairs_at(fmt), c, pv);
+                _mm256_store_si256((__m256i *)(o + 64 * (2 * c)), _mm256_shuffle_epi8(_mm256_packus_epi16(pv[0], pv[1]), ctl));
+                _mm256_store_si256((__m256i *)(o + 64 * (2 * c + 1)), _mm256_shuffle_epi8(_mm256_packus_epi16(pv[2], pv[3]), ctl));
+            }
+        }
+    }
+}
+
+/* Groups g (and g + 1 where `two`) against input rows j0 .. j0 + MR - 1 over blocks [b0, b1)
+   (their quads in ip): the rows' float32 sums in registers, from 0 at block 0, else from what
+   the blocks before b0 left in y */
+#define I8_PTILE(MR)                                                                                 \
+static inline __attribute__((always_inline)) void i8_ptile_##MR(int fmt, const int8_t *xq,          \
+        const float *xs, const uint8_t *pk, const uint8_t *ip, float *y, int64_t j0, int64_t g,      \
+        int two, int64_t N, int64_t K, int64_t b0, int64_t b1) {                                     \
+    int64_t nb = K / QK, ub = i16_unit_bytes(fmt);                                                   \
+    const uint8_t *u0 = pk + (g * nb + b0) * ub, *u1 = two ? u0 + nb * ub : u0;                      \
+    __m256 A0[MR], A1[MR];                                                                           \
+    UNROLL for (int j = 0; j < MR; j++) {                                                            \
+        A0[j] = b0 ? _mm256_loadu_ps(y + (j0 + j) * N + 8 * g) : _mm256_setzero_ps();                \
+        A1[j] = b0 && two ? _mm256_loadu_ps(y + (j0 + j) * N + 8 * g + 8) : _mm256_setzero_ps();     \
+    }                                                                                                \
+    for (int64_t b = b0; b < b1; b++, u0 += ub, u1 += ub) {                                          \
+        __m256i P0[MR], P1[MR];                                                                      \
+        UNROLL for (int j = 0; j < MR; j++) P0[j] = P1[j] = _mm256_setzero_si256();                  \
+        const uint8_t *w = ip + (b - b0) * 512;                                                      \
+        const int8_t *x = xq + j0 * K + b * QK;                                                      \
+        _Pragma("GCC unroll 2") for (int q = 0; q < 8; q++) {                                        \
+            __m256i w0 = _mm256_load_si256((const __m256i *)(w + 64 * q));                           \
+            __m256i w1 = _mm256_load_si256((const __m256i *)(w + 64 * q + 32));                      \
+            UNROLL for (int j = 0; j < MR; j++) {                                                    \
+                int32_t xp;                                                                          \
+                memcpy(&xp, x + j * K + 4 * q, 4);                                                   \
+                __m256i xb = _mm256_set1_epi32(xp);                                                  \
+                P0[j] = I8_YDOT(P0[j], w0, xb);                                                      \
+                P1[j] = I8_YDOT(P1[j], w1, xb);                                                      \
+            }                                                                                        \
+        }                                                                                            \
+        __m256 d0, m0, d1, m1;                                                                       \
+        i16_dm(fmt, u0, &d0, &m0);                                                                   \
+        i16_dm(fmt, u1, &d1, &m1);                                                                   \
+        UNROLL for (int j = 0; j < MR; j++) {                                                        \
+            const float *sx = xs + ((j0 + j) * nb + b) * 2;                                          \
+            A0[j] = i16_scaled(fmt, _mm256_cvtepi32_ps(I8_YSUM(P0[j])), d0, m0, sx, A0[j]);          \
+            A1[j] = i16_scaled(fmt, _mm256_cvtepi32_ps(I8_YSUM(P1[j])), d1, m1, sx, A1[j]);          \
+        }                                                                                            \
+    }                                                                                                \
+    UNROLL for (int j = 0; j < MR; j++) {                                                            \
+        _mm256_storeu_ps(y + (j0 + j) * N + 8 * g, A0[j]);                                           \
+        if (two) _mm256_storeu_ps(y + (j0 + j) * N + 8 * g + 8, A1[j]);                              \
+    }                                                                                                \
+}
+I8_PTILE(1) I8_PTILE(2) I8_PTILE(3)
+
+#if defined(__AVX512BW__)
+/* 64-byte tiles: a quad of both groups is one zmm (lanes 0-7 group g, 8-15 group g + 1, each
+   through i8_ptile's operations in its order: the same bits) */
+#if defined(__AVX512VNNI__)
+#define I8_ZDOT(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+#define I8_ZSUM(P) (P)
+#else
+#define I8_ZDOT(acc, w, x) _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x))
+#define I8_ZSUM(P) _mm512_madd_epi16(P, _mm512_set1_epi16(1))
+#endif
+#define I8_TILE_ROWS 8
+#define I8_ZTILE(MR)                                                                                 \
+static inline __attribute__((always_inline)) void i8_ztile_##MR(int fmt, const int8_t *xq,          \
+        const float *xs, const uint8_t *pk, const uint8_t *ip, float *y, int64_t j0, int64_t g,      \
+        int two, int64_t N, int64_t K, int64_t b0, int64_t b1) {                                     \
+    int64_t nb = K / QK, ub = i16_unit_bytes(fmt);                                                   \
+    const uint8_t *u0 = pk + (g * nb + b0) * ub, *u1 = two ? u0 + nb * ub : u0;                      \
+    __mmask16 lanes = two ? 0xFFFF : 0x00FF;                                                         \
+    __m512 A[MR];                                                                                    \
+    UNROLL for (int j = 0; j < MR; j++)                                                              \
+        A[j] = b0 ? _mm512_maskz_loadu_ps(lanes, y + (j0 + j) * N + 8 * g) : _mm512_setzero_ps();    \
+    for (int64_t b = b0; b < b1; b++, u0 += ub, u1 += ub) {                                          \
+        __m512i P[MR];                                                                               \
+        UNROLL for (int j = 0; j < MR; j++) P[j] = _mm512_setzero_si512();                           \
+        const uint8_t *w = ip + (b - b0) * 512;                                                      \
+        const int8_t *x = xq + j0 * K + b * QK;                                                      \
+        _Pragma("GCC unroll 2") for (int q = 0; q < 8; q++) {                                        \
+            __m512i wv = _mm512_load_si512((const void *)(w + 64 * q));                              \
+            UNROLL for (int j = 0; j < MR; j++) {                                                    \
+                int32_t xp;                                                                          \
+                memcpy(&xp, x + j * K + 4 * q, 4);                                                   \
+                P[j] = I8_ZDOT(P[j], wv, _mm512_set1_epi32(xp));                                     \
+            }                                                                                        \
+        }                                                                                            \
+        __m512 d, m;                                                                                 \
+        i16_dm2(fmt, u0, u1, &d, &m);                                                                \
+        UNROLL for (int j = 0; j < MR; j++) {                                                        \
+            const float *sx = xs + ((j0 + j) * nb + b) * 2;                                          \
+            A[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I8_ZSUM(P[j])), _mm512_mul_ps(d, _mm512_set1_ps(sx[0])), A[j]); \
+            A[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[1]), A[j]);                                  \
+        }                                                                                            \
+    }                                                                                                \
+    UNROLL for (int j = 0; j < MR; j++) _mm512_mask_storeu_ps(y + (j0 + j) * N + 8 * g, lanes, A[j]); \
+}
+I8_ZTILE(1) I8_ZTILE(2) I8_ZTILE(3) I8_ZTILE(4) I8_ZTILE(5) I8_ZTILE(6) I8_ZTILE(7) I8_ZTILE(8)
+#define I8_TILE(R) i8_ztile_##R
+#else
+#define I8_TILE_ROWS 3
+#define I8_TILE(R) i8_ptile_##R
+#endif
+
+static inline __attribute__((always_inline)) void i8_panel_tile(int fmt, const int8_t *xq, const float *xs,
+        const uint8_t *pk, const uint8_t *ip, float *y, int64_t rows, int64_t j0, int64_t g, int two,
+        int64_t N, int64_t K, int64_t b0, int64_t b1) {
+    switch (rows) {
+        case 1: I8_TILE(1)(fmt, xq, xs, pk, ip, y, j0, g, two, N, K, b0, b1); break;
+        case 2: I8_TILE(2)(fmt, xq, xs, pk, ip, y, j0, g, two, N, K, b0, b1); break;
+#if I8_TILE_ROWS > 3
+        case 3: I8_TILE(3)(fmt, xq, xs, pk, ip, y, j0, g, two, N, K, b0, b1); break;
+        case 4: I8_TILE(4)(fmt, xq, xs, pk, ip, y, j0, g, two, N, K, b0, b1); break;
+        case 5: I8_TILE(5)(fmt, xq, xs, pk, ip, y, j0, g, two, N, K, b0, b1); break;
+        case 6: I8_TILE(6)(fmt, xq, xs, pk, ip, y, j0, g, two, N, K, b0, b1); break;
+        case 7: I8_TILE(7)(fmt, xq, xs, pk, ip, y, j0, g, two, N, K, b0, b1); break;
+        default: I8_TILE(8)(fmt, xq, xs, pk, ip, y, j0, g, two, N, K, b0, b1); break;
+#else
+        default: I8_TILE(3)(fmt, xq, xs, pk, ip, y, j0, g, two, N, K, b0, b1); break;
+#endif
+    }
+}
+
+/* Groups g and g + 1 (g alone where it is the last) against all M input rows, the quads in
+   chunks of at most I8_PANEL_BLOCKS blocks (ip: 512 bytes a block) */
+static inline __attribute__((always_inline)) void i8_group_impl(int fmt, const int8_t *xq, const float *xs,
+        uint8_t *ip, const uint8_t *pk, float *y, int64_t M, int64_t g, int64_t N, int64_t K) {
+    int two = g + 1 < N / 8;
+    int64_t nb = K / QK, chunk = i16_chunk(nb, I8_PANEL_BLOCKS);
+    for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
+        int64_t b1 = b0 + chunk < nb ? b0 + chunk : nb;
+        i8_ipanel(fmt, pk, ip, g, two, K, b0, b1);
+        for (int64_t j0 = 0; j0 < M; j0 += I8_TILE_ROWS)
+            i8_panel_tile(fmt, xq, xs, pk, ip, y, M - j0 < I8_TILE_ROWS ? M - j0 : I8_TILE_ROWS, j0, g, two, N, K, b0, b1);
+    }
+}
+typedef void (*i8_group_fn)(const int8_t *, const float *, uint8_t *, const uint8_t *, float *, int64_t,
+                            int64_t, int64_t, int64_t);
+#define I8_GROUP_FN(F)                                                                               \
+static void i8_group_##F(const int8_t *xq, const float *xs, uint8_t *ip, const uint8_t *pk, float *y, \
+                         int64_t M, int64_t g, int64_t N, int64_t K) {                               \
+    i8_group_impl(FMT_##F, xq, xs, ip, pk, y, M, g, N, K);                                          \
+}
+I8_GROUP_FN(Q4_0)
+I8_GROUP_FN(Q4_1)
+
+/* x: float32 [M, K]; pk: gguf_pack_i16's layout of N rows of a Q4_0 / Q4_1 matrix; y: float32
+   [M, N]. Returns 0, or -1 for another format, N not a multiple of 8 or K of 32, -2 where
+   memory ran out. */
+int gguf_linear_i8(int fmt, const float *x, const uint8_t *pk, float *y, int64_t M, int64_t N, int64_t K) {
+    i8_group_fn fn = fmt == FMT_Q4_0 ? i8_group_Q4_0 : fmt == FMT_Q4_1 ? i8_group_Q4_1 : 0;
+    if (fn == 0 || N % 8 || K % QK) return -1;
+    if (M == 0) return 0;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xs = (float *)malloc(sizeof(float) * 2 * M * (K / QK));
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return -2;
+    }
+    int failed = 0;
+    int64_t blocks = M * K / QK, chunk = i16_chunk(K / QK, I8_PANEL_BLOCKS);
+    int shared_input = blocks >= I16_SHARED_INPUT;
+    if (!shared_input) i8_input(x, xq, xs, 0, blocks);
+    #pragma omp parallel
+    {
+        if (shared_input) {
+            #pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b += 64) i8_input(x, xq, xs, b, b + 64 < blocks ? b + 64 : blocks);
+        }
+        uint8_t *ip = (uint8_t *)aligned_alloc(64, (size_t)(512 * chunk));
+        if (!ip) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += I16_ROW_RUN) {
+            int64_t rows = M - m0 < I16_ROW_RUN ? M - m0 : I16_ROW_RUN;
+            #pragma omp for schedule(guided)
+            for (int64_t g = 0; g < N / 8; g += 2)
+                if (ip) fn(xq + m0 * K, xs + m0 * (K / QK) * 2, ip, pk, y + m0 * N, rows, g, N, K);
+        }
+        free(ip);
+    }
+    free(xq);
+    free(xs);
+    return failed ? -2 : 0;
+}
+
+/* The input as gguf_linear_i8 rounds it: float32 [M, K] (X * s per block; tests) */
+int gguf_input_i8(const float *x, float *out, int64_t M, int64_t K) {
+    if (K % QK) return -1;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K) + 1);
+    float *xs = (float *)malloc(sizeof(float) * 2 * M * (K / QK) + 4);
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return -2;
+    }
+    i8_input(x, xq, xs, 0, M * K / QK);
     for (int64_t i = 0; i < M * K; i++) out[i] = (float)xq[i] * xs[(i / QK) * 2];
     free(xq);
     free(xs);
