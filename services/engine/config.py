@@ -17,8 +17,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # the CPU (the GGUF kernels and the exact mode compute in float32).
 COMPUTE_DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8")  # what each means: services/engine/quant.py
-PREFILL_DTYPES = ("auto", "bfloat16", "float32", "int16")  # likewise
-DECODE_DTYPES = PREFILL_DTYPES  # likewise
+PREFILL_DTYPES = ("auto", "bfloat16", "float32", "int16", "int8")  # likewise
+DECODE_DTYPES = ("auto", "bfloat16", "float32", "int16")  # likewise
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ class EngineConfig:
     # Prompt rows of a step: "auto" multiplies them in bfloat16 where the CPU does so natively
     # (a bfloat16 copy of the GGUF weights, 2 bytes a weight), else as the decode rows' int16
     # where this CPU's integer multiplies are the faster (quant.prefill_in_int16), else
-    # "float32": the file's blocks.
+    # "float32": the file's blocks. "int8" (only if chosen): the 4-bit blocks' prompt rows but
+    # q, k, v with the input rounded to int8 per block of 32, as llama.cpp does (faster, lossier).
     prefill_dtype: str = "auto"
     # Every other row the GGUF blocks are multiplied with (decode rows, drafts, short prompt
     # chunks): "auto" is bfloat16 arithmetic where the kernels have an AVX512-BF16 build for

@@ -32,7 +32,7 @@ class LlamaModel:
     def __init__(self, loaded: LoadedWeights, *, dtype: torch.dtype = torch.float32,
                  quantization: str = "none", device: str = "cpu", fused_kernels: bool = True,
                  prefill_bf16: bool = False, decode_bf16: bool = False, decode_i16: bool = False,
-                 prefill_i16: bool = False, decode_attention: str = "auto"):
+                 prefill_i16: bool = False, prefill_i8: bool = False, decode_attention: str = "auto"):
         c = self.config = loaded.config
         t = loaded.tensors
         self.dtype, self.device = dtype, device
@@ -43,7 +43,7 @@ class LlamaModel:
         def dense(w: torch.Tensor) -> torch.Tensor:
             return w.to(device=device, dtype=dtype).contiguous()
 
-        def lin(*names: str, prefill: bool = True):
+        def lin(*names: str, prefill: bool = True, int8: bool = True):
             """One linear over the rows of the named weights: their file blocks where the loader
             kept them all in one format (quantization "auto"), else float."""
             blocks = [loaded.quantized.get(n) for n in names]
@@ -53,7 +53,7 @@ class LlamaModel:
             return make_linear(fused, quantization=quantization, dtype=dtype, device=device,
                                kernels=fused_kernels, prefill_bf16=prefill_bf16 and prefill,
                                decode_bf16=decode_bf16, decode_i16=decode_i16,
-                               prefill_i16=prefill_i16 and prefill)
+                               prefill_i16=prefill_i16 and prefill, prefill_i8=prefill_i8 and prefill and int8)
 
         self.embed = dense(t["embed"])  # [V, E]
         # logits are taken for a few rows a step: the head never needs a prefill copy
@@ -64,7 +64,11 @@ class LlamaModel:
             p = f"layers.{i}."
             self.layers.append(_Layer(
                 attn_norm=dense(t[p + "attn_norm"]), ffn_norm=dense(t[p + "ffn_norm"]),
-                qkv=lin(p + "wq", p + "wk", p + "wv"),
+                # prompt rows' q, k and v stay int16 where the others take int8 (prefill_i8):
+                # q and k meet in the softmax's exponent and k, v are cached for every later
+                # token; with them in int8 too, 3 of the 6 oracle prompts left float32's greedy
+                # tokens on the AVX2-capped Xeon (one at the first token), without them none
+                qkv=lin(p + "wq", p + "wk", p + "wv", int8=False),
                 o=lin(p + "wo"),
                 gate_up=lin(p + "w_gate", p + "w_up"),
                 down=lin(p + "w_down"),

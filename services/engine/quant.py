@@ -49,6 +49,18 @@ there take it as well ("auto": `prefill_in_int16`, where the decode rows do, on 
 except on AMD Zen 1/2, whose integer multiplies are slow: there they stay float32 on the
 blocks): a 128-token prompt in 0.92x float32's time there, a 1,000-token one 0.94x (attention
 and the rest unchanged).
+"int8" (opt-in, never "auto"): Q4_0/Q4_1 prompt rows of the o, gate/up and down linears take
+gguf_linear_i8 instead: the same packed blocks, the input rounded per block of 32 to int8 as
+llama.cpp rounds its activations (X = round(x * 127 / max|x|)), twice the products per integer
+instruction (VPMADDUBSW, or VPDPBUSD with AVX-VNNI / AVX512-VNNI). SmolLM2's 3072x576 / 576x1536
+Q4_1 matrices at 64-1,024 rows on the AMX Xeon capped at AVX2: 209-214 / 179-192 GMAC/s
+against the 16-bit kernel's 124-127 / 121-124 (avxvnni 249-257 / 209-225 vs 146-150 /
+136-144); a 16 x 64-token prefill 1.0 s -> 0.72 s. q, k and v stay 16-bit: q and k meet in the
+softmax's exponent and k, v are cached for every later token; with them in int8 too, 3 of the 6
+oracle prompts left float32's greedy tokens (one at its first token). The cost is measured
+(bench/engine_agreement.py, prefill logits at 24 points of the oracle prompts against float32):
+KL 1.0e-3 where the 16-bit input gives 1.1e-6 and the AMX default's bfloat16 prompt rows 1.9e-4;
+the largest logit difference at a point 0.47 in the median (16-bit 0.013, bfloat16 0.16).
 Either way a row's result does not depend on the rest of the batch, so speculative and plain
 greedy decoding give the same tokens. Greedy agreement with the float32 reference:
 bench/engine_agreement.py and bench/engine_cpu.py.
@@ -91,23 +103,32 @@ def _int16_kernels(option: str, value: str, allowed: tuple[str, ...], device: st
     if value in ("float32", "bfloat16") or device != "cpu":
         return None
     lib = gguf_kernels.load()
-    if value == "int16" and lib is None:
-        raise ValueError(f"{option} int16 needs a CPU with AVX2, FMA and F16C and a C compiler"
+    if value in ("int16", "int8") and lib is None:
+        raise ValueError(f"{option} {value} needs a CPU with AVX2, FMA and F16C and a C compiler"
                          " (the GGUF kernels); use auto or float32")
     return lib
 
 
 def prefill_in_int16(prefill_dtype: str, device: str, decode_int16: bool = True) -> bool:
-    """Whether prompt rows take the 16-bit-input kernel (gguf_linear_i16): prefill_dtype
-    "int16", or "auto" where the decode rows do (`decode_int16`), the CPU has no native
+    """Whether prompt rows take the 16-bit-input kernel (gguf_linear_i16), or with
+    `prefill_in_int8` the 8-bit one where a matrix's format has it: prefill_dtype "int16" or
+    "int8", or "auto" where the decode rows do (`decode_int16`), the CPU has no native
     bfloat16 and its integer multiplies are the faster (gguf_kernels.int16_multiplies_fast;
     an AVX-512 build's 64-byte integer tiles beat its 16-lane float32 too: SmolLM2's matrices
     at 64 to 1,024 rows 1.15-1.25x, with AVX512-VNNI 1.5-1.65x); raises ValueError for "int16"
     where the kernels cannot be built here."""
     lib = _int16_kernels("prefill_dtype", prefill_dtype, PREFILL_DTYPES, device)
-    if lib is None or prefill_dtype == "int16":
+    if lib is None or prefill_dtype in ("int16", "int8"):
         return lib is not None
     return decode_int16 and not native_bfloat16() and gguf_kernels.int16_multiplies_fast()
+
+
+def prefill_in_int8(prefill_dtype: str, device: str) -> bool:
+    """Whether Q4_0/Q4_1 prompt rows take the 8-bit-input kernel (gguf_linear_i8): only where
+    asked for (prefill_dtype "int8": llama.cpp's rounding of its activations, a quality loss
+    "auto" does not take; see the module docstring); raises ValueError where the kernels cannot
+    be built here."""
+    return prefill_dtype == "int8" and prefill_in_int16(prefill_dtype, device)
 
 
 def decode_in_int16(decode_dtype: str, device: str) -> bool:
@@ -188,10 +209,11 @@ class GGUFLinear:
     rows (see the module docstring)."""
 
     __slots__ = ("weight", "out_dtype", "_lib", "_bf16", "_gemm", "_decode_bf16", "_il", "_amx", "_interleaved",
-                 "_i16", "_decode_i16", "_prefill_i16")
+                 "_i16", "_decode_i16", "_prefill_i16", "_prefill_i8")
 
     def __init__(self, weight: GGUFWeight, out_dtype: torch.dtype, lib, prefill_bf16: bool = False,
-                 decode_bf16: bool = False, decode_i16: bool = False, prefill_i16: bool = False):
+                 decode_bf16: bool = False, decode_i16: bool = False, prefill_i16: bool = False,
+                 prefill_i8: bool = False):
         self.weight, self.out_dtype, self._lib, self._decode_bf16 = weight, out_dtype, lib, decode_bf16
         # the bfloat16 copy for prompt rows: AMX tiles (_gemm: the library that multiplies them)
         # or oneDNN's layout
@@ -211,9 +233,12 @@ class GGUFLinear:
         # decode rows (with prefill_i16 also prompt rows) of Q4_0/Q4_1/Q8_0 with the input in
         # 16-bit fixed point (gguf_linear_i16), on the exact weights laid out 8 rows at a time
         decode_i16 = decode_i16 and not decode_bf16
-        self._i16 = gguf_kernels.pack_i16(lib, weight) if decode_i16 or prefill_i16 else None
+        self._i16 = gguf_kernels.pack_i16(lib, weight) if decode_i16 or prefill_i16 or prefill_i8 else None
         self._decode_i16 = decode_i16 and self._i16 is not None
         self._prefill_i16 = prefill_i16 and self._i16 is not None and self._bf16 is None
+        # prompt rows of Q4_0/Q4_1 with the input in int8 (gguf_linear_i8, the same packed blocks)
+        self._prefill_i8 = (prefill_i8 and self._i16 is not None and self._bf16 is None
+                            and weight.kind in gguf_kernels.I8_FORMATS)
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T on the file's blocks for decode rows (and short prompt chunks, except beside
@@ -227,12 +252,18 @@ class GGUFLinear:
     def _int16_rows(self, x: torch.Tensor) -> torch.Tensor:
         return gguf_kernels.linear_i16(self._lib, x, self._i16, self.weight)
 
+    def _int8_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return gguf_kernels.linear_i8(self._lib, x, self._i16, self.weight)
+
     def _prompt_path(self, rows: int):
         """What multiplies a step's `rows` prompt rows: the bfloat16 copy (from PREFILL_MIN_ROWS
-        rows), the 16-bit-input kernel (prefill_i16), float32 on the file's blocks beside
-        16-bit-input decode rows, else the decode rows' own path (`_blocks`)."""
+        rows), the 8-bit-input kernel (prefill_i8), the 16-bit-input one (prefill_i16), float32
+        on the file's blocks beside 16-bit-input decode rows, else the decode rows' own path
+        (`_blocks`)."""
         if self._bf16 is not None and rows >= PREFILL_MIN_ROWS:
             return self._prompt_rows
+        if self._prefill_i8:
+            return self._int8_rows
         if self._prefill_i16:
             return self._blocks if self._decode_i16 else self._int16_rows
         return self._file_blocks if self._decode_i16 else self._blocks
@@ -350,17 +381,19 @@ def _bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def make_linear(weight: torch.Tensor | GGUFWeight, *, quantization: str, dtype: torch.dtype,
                 device: str, kernels: bool = True, prefill_bf16: bool = False,
-                decode_bf16: bool = False, decode_i16: bool = False, prefill_i16: bool = False):
+                decode_bf16: bool = False, decode_i16: bool = False, prefill_i16: bool = False,
+                prefill_i8: bool = False):
     """weight: float [out, in], or a GGUF file's blocks (quantization "auto").
     kernels=False: torch ops only (the eager switch, for debugging and comparison).
     prefill_bf16: GGUF linears keep a bfloat16 copy for prompt rows (`prefill_in_bfloat16`).
     decode_bf16: their other rows in bfloat16 arithmetic (`decode_in_bfloat16`).
     decode_i16: their decode rows with the input in 16-bit fixed point (`decode_in_int16`).
-    prefill_i16: their prompt rows likewise (`prefill_in_int16`)."""
+    prefill_i16: their prompt rows likewise (`prefill_in_int16`).
+    prefill_i8: Q4_0/Q4_1 prompt rows with the input in int8 (`prefill_in_int8`)."""
     if isinstance(weight, GGUFWeight):
         lib = gguf_kernels.load() if kernels and device == "cpu" and quantization == "auto" else None
         if lib is not None:
-            return GGUFLinear(weight, dtype, lib, prefill_bf16, decode_bf16, decode_i16, prefill_i16)
+            return GGUFLinear(weight, dtype, lib, prefill_bf16, decode_bf16, decode_i16, prefill_i16, prefill_i8)
         # torch: the file's numbers, dequantized once
         return DenseLinear(weight.dequantize().to(device=device, dtype=dtype).contiguous())
     if quantization == "auto":  # float weights: int8 where the AVX2 kernel runs, else dense

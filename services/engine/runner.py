@@ -27,7 +27,7 @@ from services.engine.interface import Batch, RunnerOutput, SeqChunk
 from services.engine.loader import LoadedWeights, ModelLoadError, load_weights
 from services.engine.model import LlamaModel
 from services.engine.quant import (QUANTIZATIONS, decode_in_bfloat16, decode_in_int16, prefill_in_bfloat16,
-                                   prefill_in_int16)
+                                   prefill_in_int16, prefill_in_int8)
 from services.engine.sampler import PendingTokens, Sampler
 from tokenserve.runtime.logging import get_logger
 
@@ -102,6 +102,7 @@ class ModelRunner:
                       and decode_in_int16(decode_dtype, device))
         prefill_i16 = (quantization == "auto" and kernels and not prefill_bf16
                        and prefill_in_int16(prefill_dtype, device, decode_i16))
+        prefill_i8 = prefill_i16 and prefill_in_int8(prefill_dtype, device)
         if device == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         if on_cuda:  # graph capture and replay, Triton launches: all on the engine's device
@@ -117,7 +118,7 @@ class ModelRunner:
                 self.model = LlamaModel(loaded, dtype=DTYPES[dtype], quantization=quantization,
                                         device=device, fused_kernels=kernels,
                                         prefill_bf16=prefill_bf16, decode_bf16=decode_bf16,
-                                        decode_i16=decode_i16, prefill_i16=prefill_i16,
+                                        decode_i16=decode_i16, prefill_i16=prefill_i16, prefill_i8=prefill_i8,
                                         decode_attention=decode_attention)
         except ValueError as e:  # e.g. an unsupported rope scaling
             raise ModelLoadError(model_path, str(e)) from e
@@ -128,7 +129,8 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         # what the GGUF blocks' prompt and decode rows are multiplied in (quantization "auto")
         self.block_arithmetic = {
-            "prefill": "bfloat16" if prefill_bf16 else "int16" if prefill_i16 else "float32",
+            "prefill": ("bfloat16" if prefill_bf16 else "int8" if prefill_i8 else "int16" if prefill_i16
+                        else "float32"),
             "decode": "bfloat16" if decode_bf16 else "int16" if decode_i16 else "float32"}
         self.block_size = block_size
         self.vocab_size = c.vocab_size
@@ -165,7 +167,7 @@ class ModelRunner:
         log.info("runner_ready", model=self.model_name, dtype=dtype, quantization=quantization,
                  decode_row_tile=self.decode_row_tile,
                  kv_cache_dtype=kv_cache_dtype, prefill_bfloat16=prefill_bf16,
-                 decode_bfloat16=decode_bf16, decode_int16=decode_i16, prefill_int16=prefill_i16,
+                 decode_bfloat16=decode_bf16, decode_int16=decode_i16, prefill_int16=prefill_i16, prefill_int8=prefill_i8,
                  num_blocks=self.num_blocks, block_size=block_size, max_context=self.max_context,
                  kv_cache_mib=round(self.num_blocks * per_block / 2**20, 1),
                  decode_attention=self.model.decode_attention,

@@ -13,7 +13,8 @@ from services.engine import cpu_kernels, gguf_kernels
 from services.engine.gguf_kernels import FORMATS, ISAS, GGUFWeight
 from services.engine.loader import load_weights
 from services.engine.quant import (PREFILL_MIN_ROWS, DenseLinear, GGUFLinear, decode_in_bfloat16,
-                                     decode_in_int16, native_bfloat16, prefill_in_bfloat16, prefill_in_int16)
+                                     decode_in_int16, native_bfloat16, prefill_in_bfloat16, prefill_in_int16,
+                                     prefill_in_int8)
 from services.engine.runner import ModelRunner
 from tests.integration.engine_model import oracle
 from tests.unit.engine import tiny_models as tm
@@ -391,6 +392,82 @@ def test_i16_kernel_gives_the_same_bits_in_every_build(kind):
                 assert torch.equal(got, want.setdefault(m, got)), (name, k, m)
 
 
+def test_the_8_bit_input_rounds_each_block_to_127_steps_of_its_largest(glib):
+    g = torch.Generator().manual_seed(8)
+    scale = torch.tensor([1e-3, 1.0, 300.0, 2.0 ** -110]).repeat_interleave(32)  # per block of 32
+    x = torch.randn(3, 128, generator=g) * scale
+    x[1, 64:96] = 0.0  # an all-zero block
+    x[2, 0:32] = torch.arange(32.0) - 16  # its largest, -16, is 127 steps: -16 / 127 each
+    r = gguf_kernels.input_i8(glib, x)
+    for blk in range(3):
+        a, b = x[:, 32 * blk:32 * (blk + 1)], r[:, 32 * blk:32 * (blk + 1)]
+        s = a.abs().amax(dim=1, keepdim=True) / 127
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        steps = b.double() / s.double()
+        assert (steps - steps.round()).abs().max() < 1e-4, blk  # X * s, X an integer ...
+        assert (steps.abs() <= 127 + 1e-4).all()  # ... within +-127, the largest at 127
+        assert ((a - b).abs() <= s / 2 * (1 + 1e-5)).all(), blk  # to nearest
+    assert torch.equal(r[:, 96:], torch.zeros(3, 32))  # blocks below 2^-100 round to zero
+    assert torch.equal(r[1, 64:96], x[1, 64:96])
+    assert r[2, 0].item() == -16.0 and r[2, 31].item() == pytest.approx(15.0, abs=16 / 254)
+    with pytest.raises(ValueError, match="input_i8 rejected"):
+        gguf_kernels.input_i8(glib, torch.randn(2, 48))
+
+
+@pytest.mark.parametrize("kind", gguf_kernels.I8_FORMATS)
+@pytest.mark.parametrize("k", [256, 2080])
+def test_i8_kernel_is_the_files_weights_times_the_rounded_input(glib, kind, k):
+    # N = 40: two pairs of groups of 8 rows and one alone; K = 2080: 65 blocks, two chunks of
+    # the pair's 8-bit panel; tiles of up to 3 input rows (8 in the AVX-512 builds), in runs of
+    # 256 rows. Every path, the same bits.
+    w = blocks(kind, 40, k, seed=5)
+    packed = gguf_kernels.pack_i16(glib, w)  # the 16-bit kernel's layout: no copy of its own
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(6)) * 3
+    full = gguf_kernels.linear_i8(glib, x, packed, w)
+    ref = gguf_kernels.input_i8(glib, x).double() @ w.dequantize().double().T
+    # only float32 rounding of each block's two scalings and the row's sum: the weights are the
+    # file's, the block sums exact
+    torch.testing.assert_close(full.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+    exact = x.double() @ w.dequantize().double().T  # llama.cpp's rounding: ~100x the 16-bit's
+    err = (full.double() - exact).abs().max().item() / exact.abs().max().item()
+    assert 1e-4 < err < 2e-2
+    for m in (*range(1, 21), 40, 257):  # a row's result: the same bits whatever shares its call
+        for at in (0, 300 - m):
+            assert torch.equal(gguf_kernels.linear_i8(glib, x[at:at + m], packed, w), full[at:at + m]), (m, at)
+    assert gguf_kernels.linear_i8(glib, x[:0], packed, w).shape == (0, 40)
+
+
+@pytest.mark.parametrize("kind", gguf_kernels.I8_FORMATS)
+def test_i8_kernel_gives_the_same_bits_in_every_build(kind):
+    # VPMADDUBSW with 16-bit sums, AVX-VNNI's and AVX512-VNNI's VPDPBUSD, the AVX-512 builds'
+    # 64-byte tiles: the same integers and float32 operations per row
+    isas = gguf_kernels.runnable_isas()
+    if len(isas) < 2:
+        pytest.skip("this CPU runs one build of the kernel")
+    libs = {name: gguf_kernels.load(name) for name in isas}
+    for k in (256, 2080):
+        w = blocks(kind, 48, k, seed=k + 1)
+        x = torch.randn(257, k, generator=torch.Generator().manual_seed(9)) * 3
+        want = {}
+        for name, lib in libs.items():
+            packed = gguf_kernels.pack_i16(lib, w)
+            for m in (*range(1, 21), 40, 257):
+                got = gguf_kernels.linear_i8(lib, x[:m], packed, w)
+                assert torch.equal(got, want.setdefault(m, got)), (name, k, m)
+
+
+def test_i8_kernel_takes_only_the_4_bit_formats(glib):
+    q8 = blocks("Q8_0", 16, 64)
+    with pytest.raises(ValueError, match="gguf_linear_i8 rejected a Q8_0 16x64"):
+        gguf_kernels.linear_i8(glib, torch.randn(2, 64), gguf_kernels.pack_i16(glib, q8), q8)
+    w = blocks("Q4_0", 16, 64)
+    packed = gguf_kernels.pack_i16(glib, w)
+    x, y = torch.randn(1, 64), torch.empty(1, 16)
+    call = lambda fmt, n, k: glib.gguf_linear_i8(fmt, x.data_ptr(), packed.data_ptr(), y.data_ptr(), 1, n, k)
+    assert call(2, 16, 64) == 0 and torch.equal(y, gguf_kernels.linear_i8(glib, x, packed, w))
+    assert call(2, 12, 64) == -1 and call(2, 16, 48) == -1 and call(8, 16, 64) == -1  # N, K, Q8_0
+
+
 def test_i16_kernel_takes_only_its_formats_in_rows_of_eight(glib):
     assert gguf_kernels.pack_i16(glib, blocks("Q4_K", 16, 256)) is None
     assert gguf_kernels.pack_i16(glib, blocks("Q4_1", 12, 64)) is None  # 12 rows: not in eights
@@ -427,6 +504,14 @@ def test_int16_decode_rows_and_float32_prompt_rows():
     y = prompt_only(x, 3)
     assert torch.equal(y[:3], fast(x[:3])) and torch.equal(y[3:], plain(x[3:]))
     assert torch.equal(prompt_only(x), plain(x)) and prompt_only.decode_kernel()[0] == plain.decode_kernel()[0]
+    # 8-bit prompt rows beside 16-bit decode rows: two calls; none for Q8_0
+    i8 = GGUFLinear(w, torch.float32, lib, decode_i16=True, prefill_i16=True, prefill_i8=True)
+    y = i8(x, 3)
+    assert torch.equal(y[:3], gguf_kernels.linear_i8(lib, x[:3], packed, w)) and torch.equal(y[3:], fast(x[3:]))
+    assert not torch.equal(y[:3], fast(x[:3]))
+    assert torch.equal(i8(x), fast(x)) and i8.decode_kernel()[0] == fast.decode_kernel()[0]
+    q8 = GGUFLinear(blocks("Q8_0", 64, 96), torch.float32, lib, decode_i16=True, prefill_i16=True, prefill_i8=True)
+    assert q8._prefill_i16 and not q8._prefill_i8
     q4k = GGUFLinear(blocks("Q4_K", 16, 256), torch.float32, lib, decode_i16=True)
     xk = torch.randn(2, 256)  # no 16-bit kernel for Q4_K: float32 at every M
     assert torch.equal(q4k(xk), GGUFLinear(q4k.weight, torch.float32, lib)(xk))
@@ -546,6 +631,29 @@ def test_16_bit_prompt_rows_stay_within_the_inputs_rounding(tmp_path):
     assert oracle.runner_greedy(both, prompt, 16) == oracle.runner_greedy(exact, prompt, 16)
 
 
+def test_8_bit_prompt_rows_are_chosen_and_keep_q_k_v_at_16_bits(tmp_path):
+    if not gguf_kernels.runnable_isas():
+        pytest.skip("this CPU lacks AVX2, FMA or F16C")
+    assert gguf_kernels.load() is not None, "the block kernel failed to build on a CPU that runs it"
+    path = tm.write_gguf(tmp_path / "m.gguf", tm.random_weights(0), "Q4_1", tokenizer=True)
+    i8 = ModelRunner(path, num_blocks=32, num_threads=1, quantization="auto", prefill_dtype="int8",
+                     decode_dtype="int16", kv_cache_dtype="float32")
+    i16 = ModelRunner(path, num_blocks=32, num_threads=1, quantization="auto", prefill_dtype="int16",
+                      decode_dtype="int16", kv_cache_dtype="float32")
+    exact = ModelRunner(path, num_blocks=32, num_threads=1)
+    assert i8.block_arithmetic == {"prefill": "int8", "decode": "int16"}
+    assert i16.block_arithmetic["prefill"] == "int16"
+    layer = i8.model.layers[0]
+    assert not layer.qkv._prefill_i8 and layer.qkv._prefill_i16  # q, k, v: 16-bit
+    assert layer.o._prefill_i8 and layer.gate_up._prefill_i8 and layer.down._prefill_i8
+    prompt = [5, 17, 33, 2 + 40, 61, 7]
+    a, b = oracle.runner_last_logits(i8, prompt), oracle.runner_last_logits(i16, prompt)
+    ref = oracle.runner_last_logits(exact, prompt)
+    assert not torch.equal(a, b)  # the prompt's rows really took the 8-bit input
+    err8, err16 = (a - ref).abs().max().item(), (b - ref).abs().max().item()
+    assert err16 < err8 < 0.05 * ref.abs().max().item()  # coarser than 16 bits, still close
+
+
 def test_default_decode_tokens_do_not_depend_on_how_many_decode_together(tmp_path):
     # 14 sequences decoding in one batch (the 16-bit kernel's float32 tiles from 12 rows on)
     # against each alone (its integer tiles): the same greedy tokens
@@ -599,6 +707,9 @@ def test_prompt_rows_use_the_bfloat16_copy_and_decode_rows_the_blocks():
 
 def test_prefill_dtype_follows_the_cpu_unless_chosen():
     assert prefill_in_bfloat16("bfloat16", "cpu") and not prefill_in_bfloat16("float32", "cpu")
+    assert not prefill_in_int8("auto", "cpu") and not prefill_in_int8("int16", "cpu")  # only if asked
+    assert prefill_in_int8("int8", "cpu") == (gguf_kernels.load() is not None)
+    assert not prefill_in_int8("int8", "cuda")
     assert prefill_in_bfloat16("auto", "cpu") == native_bfloat16()
     assert not prefill_in_bfloat16("auto", "cuda")
     with pytest.raises(ValueError, match="prefill_dtype"):

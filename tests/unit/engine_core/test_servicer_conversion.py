@@ -61,4 +61,9 @@ def test_the_default_is_the_fast_mode_and_exact_is_float32(tmp_path):
     with pytest.raises(SystemExit):
         parse_args(["--model-path", str(tmp_path), "--exact", "--prefill-dtype", "bfloat16"])
     with pytest.raises(SystemExit):
+        parse_args(["--model-path", str(tmp_path), "--exact", "--prefill-dtype", "int8"])
+    assert parse_args(["--model-path", str(tmp_path), "--prefill-dtype", "int8"]).prefill_dtype == "int8"
+    with pytest.raises(SystemExit):  # 8-bit inputs are for prompt rows only
+        parse_args(["--model-path", str(tmp_path), "--decode-dtype", "int8"])
+    with pytest.raises(SystemExit):
         parse_args(["--model-path", str(tmp_path), "--prefill-dtype", "float16"])
