@@ -11,20 +11,29 @@ list, a 1,000-token prompt prefilled in 256-token chunks), 64 greedy tokens from
                     bfloat16 natively), float16 KV cache
   blocks_float32    the file's own blocks in float32 arithmetic, float32 KV cache (summation
                     order the only difference)
+  prefill_int8      the defaults but --prefill-dtype int8 (prompt rows' input rounded to int8
+                    per block of 32, as llama.cpp rounds its activations; opt-in)
 For each mode and prompt: the first position where its tokens leave the exact path, the
 exact model's top-2 logit gap there (a near-tie means rounding chose), and the share of
-the 64 tokens equal position by position. Writes bench/results/engine_agreement.json.
+the 64 tokens equal position by position. Then, finer than whether greedy tokens flip: the
+logits a prompt's prefill gives (at the end of each prompt and of it plus 16 / 32 / 48
+tokens of the exact continuation; KV cache float32 in every mode, so only the multiplies
+differ) against the exact model's: KL(exact || mode) and the largest |logit difference|.
+Writes bench/results/engine_agreement.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
 
 from bench.machine import machine_facts  # noqa: E402
 from services.engine.runner import ModelRunner  # noqa: E402
@@ -36,7 +45,24 @@ from tokenserve.tokenization import load_model_tokenizer  # noqa: E402
 MODES = {"exact": dict(quantization="none", dtype="float32", kv_cache_dtype="float32"),
          "default": dict(quantization="auto"),
          "blocks_float32": dict(quantization="auto", kv_cache_dtype="float32", prefill_dtype="float32",
-                                decode_dtype="float32")}
+                                decode_dtype="float32"),
+         "prefill_int8": dict(quantization="auto", prefill_dtype="int8")}
+CUTS = (0, 16, 32, 48)  # continuation tokens after each prompt where prefill logits are compared
+
+
+def prefill_logits_error(runner: ModelRunner, inputs: list[list[int]], ref: list[torch.Tensor]) -> dict:
+    """KL(exact || runner) and max |logit difference| at the last position of each input,
+    summarized over the inputs (mean / median / max), and how many keep the exact argmax."""
+    kls, worst, top1 = [], [], 0
+    for x, lr in zip(inputs, ref):
+        lg = oracle.runner_last_logits(runner, x).double()
+        p, q = torch.log_softmax(lr, -1), torch.log_softmax(lg, -1)
+        kls.append((p.exp() * (p - q)).sum().item())
+        worst.append((lg - lr).abs().max().item())
+        top1 += int(lg.argmax() == lr.argmax())
+    return {"kl_mean": statistics.mean(kls), "kl_median": statistics.median(kls), "kl_max": max(kls),
+            "max_abs_logit_diff_median": statistics.median(worst), "max_abs_logit_diff_max": max(worst),
+            "same_argmax": top1, "of": len(inputs)}
 
 
 def main() -> None:
@@ -47,15 +73,24 @@ def main() -> None:
     path = default_model_path()
     cases = prompts(load_model_tokenizer(path))
     tokens: dict[str, dict[str, list[int]]] = {}
-    runners, arithmetic = {}, {}
+    runners, arithmetic, logit_error = {}, {}, {}
+    inputs: list[list[int]] = []
+    ref: list[torch.Tensor] = []
     for mode, kw in MODES.items():
         runners[mode] = r = ModelRunner(path, num_blocks=160, **kw)
         if kw.get("quantization") == "auto":
             arithmetic[mode] = r.block_arithmetic
         tokens[mode] = {name: oracle.runner_greedy(r, p, a.new_tokens, prefill_chunk=256 if len(p) > 500 else 10_000)
                         for name, p in cases.items()}
-        if mode != "exact":
+        if mode == "exact":
+            inputs = [p + tokens[mode][name][:k] for name, p in cases.items() for k in CUTS]
+            ref = [oracle.runner_last_logits(r, x).double() for x in inputs]
+        else:
             del runners[mode]
+            f32_kv = ModelRunner(path, num_blocks=160, **{**kw, "kv_cache_dtype": "float32"})
+            logit_error[mode] = prefill_logits_error(f32_kv, inputs, ref)
+            print(mode, "prefill logits", logit_error[mode], flush=True)
+            del f32_kv
     exact = runners["exact"]
     report: dict[str, dict] = {}
     for mode in MODES:
@@ -79,7 +114,8 @@ def main() -> None:
            "model": path.name, "new_tokens": a.new_tokens, "modes": {k: v for k, v in MODES.items()},
            "block_arithmetic": arithmetic,
            "machine": machine_facts(),
-           "vs_exact": report}
+           "vs_exact": report,
+           "prefill_logits_vs_exact": {"continuation_cuts": CUTS, "kv_cache_dtype": "float32", **logit_error}}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2))
     print(a.out)
