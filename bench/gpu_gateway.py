@@ -120,5 +120,18 @@ def run_gateway(device: str, streams: int, max_tokens: int, seconds: float, smok
         res = asyncio.run(_streams(suite.address("gateway"), key, prompts, streams, max_tokens, seconds))
     finally:
         codes = suite.stop()
+        # a service that did not exit cleanly (e.g. SIGKILLed after the stop's grace): the end of
+        # its log, for the report (logs hold no prompt or completion text)
+        tails = {name: _log_tail(suite.data_dir / "logs" / f"{name}.log")
+                 for name, code in codes.items() if code != 0}
     res.update(model=what, engine_args=list(engine_args), suite_start_s=started, exit_codes=codes)
+    if tails:
+        res["unclean_exit_log_tails"] = tails
     return res
+
+
+def _log_tail(path: Path, lines: int = 20) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError as e:
+        return [f"(no log: {e})"]
