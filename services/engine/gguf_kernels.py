@@ -305,13 +305,7 @@ def linear_i16(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, w: GGUFW
     """x: float32 [M, K] (made contiguous) -> x @ w.T, float32 [M, N], with `packed` =
     pack_i16(lib, w): the file's exact weights, x rounded per block of 32 to fixed point (15 bits
     of the block's largest, Q8_0 12: `input_i16`), each block's products summed exactly."""
-    x = x.contiguous()
-    n, k = w.shape
-    y = torch.empty((x.shape[0], n), dtype=torch.float32)
-    rc = lib.gguf_linear_i16(FORMATS[w.kind][0], x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], n, k)
-    if rc != 0:
-        raise (MemoryError if rc == -2 else ValueError)(f"gguf_linear_i16 rejected a {w.kind} {n}x{k} matrix")
-    return y
+    return _packed_linear(lib, "gguf_linear_i16", x, packed, w)
 
 
 def linear_i8(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
@@ -319,12 +313,17 @@ def linear_i8(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, w: GGUFWe
     (I8_FORMATS) with `packed` = pack_i16(lib, w): the file's exact weights, x rounded per block
     of 32 to int8 as llama.cpp rounds its Q8_0 activations (`input_i8`), each block's products
     summed exactly."""
+    return _packed_linear(lib, "gguf_linear_i8", x, packed, w)
+
+
+def _packed_linear(lib: ctypes.CDLL, name: str, x: torch.Tensor, packed: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """x @ w.T by the C kernel `name` over pack_i16's layout: float32 [M, N]."""
     x = x.contiguous()
     n, k = w.shape
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
-    rc = lib.gguf_linear_i8(FORMATS[w.kind][0], x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], n, k)
+    rc = getattr(lib, name)(FORMATS[w.kind][0], x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], n, k)
     if rc != 0:
-        raise (MemoryError if rc == -2 else ValueError)(f"gguf_linear_i8 rejected a {w.kind} {n}x{k} matrix")
+        raise (MemoryError if rc == -2 else ValueError)(f"{name} rejected a {w.kind} {n}x{k} matrix")
     return y
 
 

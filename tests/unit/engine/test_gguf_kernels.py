@@ -371,24 +371,26 @@ def test_i16_kernel_is_the_files_weights_times_the_rounded_input(glib, float_row
     assert float_rows(-1) == 12  # -1 reads the setting
 
 
-@pytest.mark.parametrize("kind", gguf_kernels.I16_FORMATS)
-def test_i16_kernel_gives_the_same_bits_in_every_build(kind):
-    # the AVX2 build's VPMADDWD + VPADDD, AVX-VNNI's and AVX512-VNNI's VPDPWSSD, the AVX-512
-    # builds' 64-byte panel tiles: the same integers and the same float32 operations per row,
-    # so a fleet of mixed CPUs decodes the same tokens (the builds this CPU runs; two at least
-    # on any CPU with AVX-512)
+@pytest.mark.parametrize("kernel, kind", [*(("i16", kind) for kind in gguf_kernels.I16_FORMATS),
+                                          *(("i8", kind) for kind in gguf_kernels.I8_FORMATS)])
+def test_integer_kernels_give_the_same_bits_in_every_build(kernel, kind):
+    # 16-bit input: the AVX2 build's VPMADDWD + VPADDD, AVX-VNNI's and AVX512-VNNI's VPDPWSSD;
+    # 8-bit input: VPMADDUBSW with 16-bit sums, or VPDPBUSD; the AVX-512 builds' 64-byte tiles:
+    # the same integers and the same float32 operations per row, so a fleet of mixed CPUs
+    # decodes the same tokens (the builds this CPU runs; two at least on any CPU with AVX-512)
     isas = gguf_kernels.runnable_isas()
     if len(isas) < 2:
         pytest.skip("this CPU runs one build of the kernel")
+    linear = gguf_kernels.linear_i16 if kernel == "i16" else gguf_kernels.linear_i8
     libs = {name: gguf_kernels.load(name) for name in isas}
-    for k in (256, 1088):
+    for k in (256, 1088, 2080):
         w = blocks(kind, 48, k, seed=k)
         x = torch.randn(257, k, generator=torch.Generator().manual_seed(5)) * 3
         want = {}
         for name, lib in libs.items():
             packed = gguf_kernels.pack_i16(lib, w)
             for m in (*range(1, 21), 40, 257):
-                got = gguf_kernels.linear_i16(lib, x[:m], packed, w)
+                got = linear(lib, x[:m], packed, w)
                 assert torch.equal(got, want.setdefault(m, got)), (name, k, m)
 
 
@@ -435,25 +437,6 @@ def test_i8_kernel_is_the_files_weights_times_the_rounded_input(glib, kind, k):
         for at in (0, 300 - m):
             assert torch.equal(gguf_kernels.linear_i8(glib, x[at:at + m], packed, w), full[at:at + m]), (m, at)
     assert gguf_kernels.linear_i8(glib, x[:0], packed, w).shape == (0, 40)
-
-
-@pytest.mark.parametrize("kind", gguf_kernels.I8_FORMATS)
-def test_i8_kernel_gives_the_same_bits_in_every_build(kind):
-    # VPMADDUBSW with 16-bit sums, AVX-VNNI's and AVX512-VNNI's VPDPBUSD, the AVX-512 builds'
-    # 64-byte tiles: the same integers and float32 operations per row
-    isas = gguf_kernels.runnable_isas()
-    if len(isas) < 2:
-        pytest.skip("this CPU runs one build of the kernel")
-    libs = {name: gguf_kernels.load(name) for name in isas}
-    for k in (256, 2080):
-        w = blocks(kind, 48, k, seed=k + 1)
-        x = torch.randn(257, k, generator=torch.Generator().manual_seed(9)) * 3
-        want = {}
-        for name, lib in libs.items():
-            packed = gguf_kernels.pack_i16(lib, w)
-            for m in (*range(1, 21), 40, 257):
-                got = gguf_kernels.linear_i8(lib, x[:m], packed, w)
-                assert torch.equal(got, want.setdefault(m, got)), (name, k, m)
 
 
 def test_i8_kernel_takes_only_the_4_bit_formats(glib):
