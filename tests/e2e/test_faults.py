@@ -295,7 +295,9 @@ def streams_then_sigterm(up: Up, service: str, lengths: list[int], meanwhile=Non
         meanwhile()
     for t in threads:
         t.join(60)
-    assert wait_for(lambda: not alive(pid), 60, 0.05), f"the {service} did not exit"
+    if not wait_for(lambda: not alive(pid), 60, 0.05):  # what it was doing, for the report
+        log = (up.data_dir / "var" / "logs" / f"{service}.log").read_text(errors="replace")
+        raise AssertionError(f"the {service} did not exit; the end of its log:\n" + "\n".join(log.splitlines()[-30:]))
     return outcomes, late, termed, time.monotonic() - termed
 
 

@@ -31,9 +31,12 @@ def test_seed_writes_the_defaults_once_and_keeps_an_operators_edit(etcd):
 
 
 def test_top_redraws_every_interval_until_interrupted(etcd, port):
+    # SIGINT as a terminal gives it: a test run started in the background of a shell without
+    # job control inherits SIGINT ignored, and Python then never turns it into Ctrl-C
     proc = subprocess.Popen([sys.executable, "-m", "controlplane.tsctl", "--endpoints", etcd.endpoint,
                              "top", "--interval", "0.2", "--metrics", f"127.0.0.1:{port}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     frames, out = 0, []
     try:
         for line in proc.stdout:
