@@ -56,9 +56,11 @@ class ModelRunner:
     kv_cache_dtype: what K/V are stored as (default on the CPU: float16 when quantized, else
     dtype; on CUDA: dtype); float16 halves the cache's memory and the bytes decode attention
     reads, at ~1e-3 relative rounding of K/V.
-    prefill_dtype: "auto" (bfloat16 for prompt rows where the CPU multiplies it natively),
-    "bfloat16" or "float32"; only GGUF blocks served by their kernels (quantization "auto") keep
-    a bfloat16 copy for prompt rows (see quant.py).
+    prefill_dtype: "auto" (bfloat16 for prompt rows where the CPU multiplies it natively, else
+    int16 where its integer multiplies are the faster), "bfloat16", "float32", "int16" or
+    "int8" (opt-in: the 4-bit blocks' prompt rows but q/k/v with the input rounded to int8);
+    only GGUF blocks served by their kernels (quantization "auto") keep a bfloat16 copy for
+    prompt rows (see quant.py).
     decode_dtype: "auto" (bfloat16 arithmetic on the GGUF blocks where their kernels have an
     AVX512-BF16 build for this CPU, else "int16"), "bfloat16", "int16" (decode rows' input in
     16-bit fixed point per block of 32, the blocks' products summed in integers; prompt rows
