@@ -55,7 +55,7 @@ llama.cpp rounds its activations (X = round(x * 127 / max|x|)), twice the produc
 instruction (VPMADDUBSW, or VPDPBUSD with AVX-VNNI / AVX512-VNNI). SmolLM2's 3072x576 / 576x1536
 Q4_1 matrices at 64-1,024 rows on the AMX Xeon capped at AVX2: 209-214 / 179-192 GMAC/s
 against the 16-bit kernel's 124-127 / 121-124 (avxvnni 249-257 / 209-225 vs 146-150 /
-136-144); a 16 x 64-token prefill 1.0 s -> 0.72 s. q, k and v stay 16-bit: q and k meet in the
+136-144); a 16 x 64-token prefill 1.06 s -> 0.72 s. q, k and v stay 16-bit: q and k meet in the
 softmax's exponent and k, v are cached for every later token; with them in int8 too, 3 of the 6
 oracle prompts left float32's greedy tokens (one at its first token). The cost is measured
 (bench/engine_agreement.py, prefill logits at 24 points of the oracle prompts against float32):
