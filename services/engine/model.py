@@ -66,8 +66,9 @@ class LlamaModel:
                 attn_norm=dense(t[p + "attn_norm"]), ffn_norm=dense(t[p + "ffn_norm"]),
                 # prompt rows' q, k and v stay int16 where the others take int8 (prefill_i8):
                 # q and k meet in the softmax's exponent and k, v are cached for every later
-                # token; with them in int8 too, 3 of the 6 oracle prompts left float32's greedy
-                # tokens on the AVX2-capped Xeon (one at the first token), without them none
+                # token. Greedy tokens of the 6 oracle prompts against float32 on the AVX2-capped
+                # Xeon: all four kinds in int8, 2 left them; q, k, v alone, 3 (one at its first
+                # token); o, gate/up and down, none
                 qkv=lin(p + "wq", p + "wk", p + "wv", int8=False),
                 o=lin(p + "wo"),
                 gate_up=lin(p + "w_gate", p + "w_up"),

@@ -56,8 +56,9 @@ instruction (VPMADDUBSW, or VPDPBUSD with AVX-VNNI / AVX512-VNNI). SmolLM2's 307
 Q4_1 matrices at 64-1,024 rows on the AMX Xeon capped at AVX2: 209-214 / 179-192 GMAC/s
 against the 16-bit kernel's 124-127 / 121-124 (avxvnni 249-257 / 209-225 vs 146-150 /
 136-144); a 16 x 64-token prefill 1.06 s -> 0.72 s. q, k and v stay 16-bit: q and k meet in the
-softmax's exponent and k, v are cached for every later token; with them in int8 too, 3 of the 6
-oracle prompts left float32's greedy tokens (one at its first token). The cost is measured
+softmax's exponent and k, v are cached for every later token (greedy tokens of the 6 oracle
+prompts: with all four kinds in int8, 2 left float32's; q, k, v alone, 3, one at its first
+token; the other three kinds, none). The cost is measured
 (bench/engine_agreement.py, prefill logits at 24 points of the oracle prompts against float32):
 KL 1.0e-3 where the 16-bit input gives 1.1e-6 and the AMX default's bfloat16 prompt rows 1.9e-4;
 the largest logit difference at a point 0.47 in the median (16-bit 0.013, bfloat16 0.16).
