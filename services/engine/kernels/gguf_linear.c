@@ -877,6 +877,13 @@ static inline __attribute__((always_inline)) void i16_dm2(int fmt, const uint8_t
     }
 }
 
+/* i16_scaled on 16 lanes (the two groups' d and m from i16_dm2): the same operations per lane */
+static inline __attribute__((always_inline)) __m512 i16_zscaled(int fmt, __m512 P, __m512 d, __m512 m,
+                                                               const float *sx, __m512 acc) {
+    acc = _mm512_fmadd_ps(P, _mm512_mul_ps(d, _mm512_set1_ps(sx[0])), acc);
+    return fmt == FMT_Q8_0 ? acc : _mm512_fmadd_ps(m, _mm512_set1_ps(sx[1]), acc);
+}
+
 #define I16_ZTILE(MR)                                                                                \
 static inline __attribute__((always_inline)) void i16_ztile_##MR(int fmt, const int16_t *xq,        \
         const float *xs, const uint8_t *pk, const int16_t *ip, float *y, int64_t j0, int64_t g,      \
@@ -901,42 +908,37 @@ static inline __attribute__((always_inline)) void i16_ztile_##MR(int fmt, const 
         }                                                                                            \
         __m512 d, m;                                                                                 \
         i16_dm2(fmt, u0, u1, &d, &m);                                                                \
-        UNROLL for (int j = 0; j < MR; j++) {                                                        \
-            const float *sx = xs + ((j0 + j) * nb + b) * 2;                                          \
-            A[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P[j]), _mm512_mul_ps(d, _mm512_set1_ps(sx[0])), A[j]); \
-            if (fmt != FMT_Q8_0) A[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[1]), A[j]);             \
-        }                                                                                            \
+        UNROLL for (int j = 0; j < MR; j++)                                                          \
+            A[j] = i16_zscaled(fmt, _mm512_cvtepi32_ps(P[j]), d, m, xs + ((j0 + j) * nb + b) * 2, A[j]); \
     }                                                                                                \
     UNROLL for (int j = 0; j < MR; j++) _mm512_storeu_ps(y + (j0 + j) * N + 8 * g, A[j]);            \
 }
 I16_ZTILE(1) I16_ZTILE(2) I16_ZTILE(3) I16_ZTILE(4) I16_ZTILE(5) I16_ZTILE(6) I16_ZTILE(7) I16_ZTILE(8)
 
-static inline __attribute__((always_inline)) void i16_panel_tile(int fmt, const int16_t *xq, const float *xs,
-        const uint8_t *pk, const int16_t *ip, float *y, int64_t rows, int64_t j0, int64_t g, int64_t N,
-        int64_t K, int64_t b0, int64_t b1) {
-    switch (rows) {
-        case 1: i16_ztile_1(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
-        case 2: i16_ztile_2(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
-        case 3: i16_ztile_3(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
-        case 4: i16_ztile_4(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
-        case 5: i16_ztile_5(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
-        case 6: i16_ztile_6(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
-        case 7: i16_ztile_7(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
-        default: i16_ztile_8(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
-    }
-}
+#define I16_TILE(R) i16_ztile_##R
 #else
 #define I16_TILE_ROWS I16_PMR
+#define I16_TILE(R) i16_ptile_##R
+#endif
+
 static inline __attribute__((always_inline)) void i16_panel_tile(int fmt, const int16_t *xq, const float *xs,
         const uint8_t *pk, const int16_t *ip, float *y, int64_t rows, int64_t j0, int64_t g, int64_t N,
         int64_t K, int64_t b0, int64_t b1) {
     switch (rows) {
-        case 1: i16_ptile_1(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
-        case 2: i16_ptile_2(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
-        default: i16_ptile_3(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        case 1: I16_TILE(1)(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        case 2: I16_TILE(2)(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+#if I16_TILE_ROWS > 3
+        case 3: I16_TILE(3)(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        case 4: I16_TILE(4)(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        case 5: I16_TILE(5)(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        case 6: I16_TILE(6)(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        case 7: I16_TILE(7)(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+        default: I16_TILE(8)(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+#else
+        default: I16_TILE(3)(fmt, xq, xs, pk, ip, y, j0, g, N, K, b0, b1); break;
+#endif
     }
 }
-#endif
 
 /* Where VPMADDWD is slow (Zen 1 and 2: one 256-bit VPMADDWD a cycle at most, no faster than
    two FMAs), from this many input rows on the float32 panel path instead (i16_ftile): the same
@@ -1346,11 +1348,8 @@ static inline __attribute__((always_inline)) void i8_ztile_##MR(int fmt, const i
         }                                                                                            \
         __m512 d, m;                                                                                 \
         i16_dm2(fmt, u0, u1, &d, &m);                                                                \
-        UNROLL for (int j = 0; j < MR; j++) {                                                        \
-            const float *sx = xs + ((j0 + j) * nb + b) * 2;                                          \
-            A[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I8_ZSUM(P[j])), _mm512_mul_ps(d, _mm512_set1_ps(sx[0])), A[j]); \
-            A[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[1]), A[j]);                                  \
-        }                                                                                            \
+        UNROLL for (int j = 0; j < MR; j++)                                                          \
+            A[j] = i16_zscaled(fmt, _mm512_cvtepi32_ps(I8_ZSUM(P[j])), d, m, xs + ((j0 + j) * nb + b) * 2, A[j]); \
     }                                                                                                \
     UNROLL for (int j = 0; j < MR; j++) _mm512_mask_storeu_ps(y + (j0 + j) * N + 8 * g, lanes, A[j]); \
 }
