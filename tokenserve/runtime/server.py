@@ -12,12 +12,20 @@ signals, drain and stop.
 Shutdown: health goes NOT_SERVING for every service (`on_drain` hooks end never-ending
 streams then), the server keeps answering for
 `drain_seconds` so that balancers notice, then `server.stop(grace_seconds)` lets in-flight
-calls finish, then `on_stop` hooks run (flush spools, close stores).
+calls finish, then `on_stop` hooks run (flush spools, close stores), each for at most
+`stop_hook_seconds`. A stop requested by a signal also sets a deadline for the whole exit
+(`exit_deadline_seconds` past the drain and grace): a process still alive then (a hook or a
+thread that never returns, which would block the interpreter's exit) writes every thread's
+stack to stderr and exits with status 70, so a SIGTERMed service always goes away.
 """
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import os
 import signal
+import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -47,12 +55,18 @@ class ServerOptions:
     handler_threads: int | None = None
     # TLS (and with client_auth "require", mutual TLS) on the gRPC port; default plaintext.
     tls: TlsConfig = PLAINTEXT
+    # How long each on_stop hook may take before the stop goes on without it.
+    stop_hook_seconds: float = 10.0
+    # After a signal: how long past drain + grace the process may take to exit, hooks included.
+    exit_deadline_seconds: float = 20.0
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.grace_seconds < 0 or self.drain_seconds < 0:
             raise ValueError("grace_seconds and drain_seconds must be >= 0")
+        if self.stop_hook_seconds <= 0 or self.exit_deadline_seconds <= 0:
+            raise ValueError("stop_hook_seconds and exit_deadline_seconds must be > 0")
         if self.handler_threads is not None and self.handler_threads < 1:
             raise ValueError(f"handler_threads must be >= 1, got {self.handler_threads}")
 
@@ -242,10 +256,13 @@ class GrpcServer:
         else:
             await self._server.stop(self.options.grace_seconds)
         for hook in self.on_stop:
+            name = getattr(hook, "__qualname__", repr(hook))
             try:
-                await hook()
+                await asyncio.wait_for(hook(), self.options.stop_hook_seconds)
+            except asyncio.TimeoutError:
+                log.error("stop_hook_timed_out", hook=name, seconds=self.options.stop_hook_seconds)
             except Exception as e:  # noqa: BLE001 - keep stopping the rest
-                log.error("stop_hook_failed", exc_type=type(e).__name__, error=str(e))
+                log.error("stop_hook_failed", hook=name, exc_type=type(e).__name__, error=str(e))
         self._server = None
         log.info("stopped", service=self.service)
 
@@ -260,4 +277,23 @@ class GrpcServer:
             except (NotImplementedError, RuntimeError):
                 pass
         await self._stop_requested.wait()
+        opts = self.options
+        _exit_by(self.service, opts.drain_seconds + opts.grace_seconds + opts.exit_deadline_seconds)
         await self.stop()
+
+
+EXIT_DEADLINE_STATUS = 70  # EX_SOFTWARE: the stop did not finish by its deadline
+
+
+def _exit_by(service: str, seconds: float) -> None:
+    """Ends the process `seconds` from now if it is still alive: the stacks of all threads to
+    stderr (what it was stuck on), then os._exit. A daemon timer, so a clean exit is not held."""
+    def expire():
+        log.error("exit_deadline_passed", service=service, seconds=round(seconds, 1))
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(EXIT_DEADLINE_STATUS)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()

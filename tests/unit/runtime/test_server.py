@@ -1,5 +1,9 @@
 """GrpcServer over real loopback gRPC: error mapping, health, reflection, graceful stop."""
 import asyncio
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -9,7 +13,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tokenserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from tokenserve.runtime import errors
 from tokenserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from tokenserve.runtime.server import GrpcServer, Registration, ServerOptions
+from tokenserve.runtime.server import EXIT_DEADLINE_STATUS, GrpcServer, Registration, ServerOptions
+
+ROOT = Path(__file__).resolve().parents[3]
 
 SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
@@ -156,3 +162,67 @@ async def test_sync_handler_mode_maps_errors_and_serves_health_and_reflection():
 def test_handler_threads_must_be_positive():
     with pytest.raises(ValueError, match="handler_threads"):
         ServerOptions(handler_threads=0)
+
+
+def test_stop_bounds_must_be_positive():
+    with pytest.raises(ValueError, match="stop_hook_seconds"):
+        ServerOptions(stop_hook_seconds=0)
+    with pytest.raises(ValueError, match="exit_deadline_seconds"):
+        ServerOptions(exit_deadline_seconds=-1)
+
+
+async def test_a_stop_hook_that_never_returns_is_left_behind_and_the_rest_run():
+    ran = []
+
+    async def stuck():
+        await asyncio.Event().wait()
+
+    async def after():
+        ran.append("after")
+
+    srv = GrpcServer("test", [], ServerOptions(port=0, drain_seconds=0, grace_seconds=0,
+                                               stop_hook_seconds=0.3), on_stop=[stuck, after])
+    await srv.start()
+    await asyncio.wait_for(srv.stop(), 5)
+    assert ran == ["after"] and srv._server is None
+
+
+# A service whose stop leaves a thread that never ends: without the exit deadline the
+# interpreter would wait for that thread forever after SIGTERM.
+STUCK_SERVICE = """
+import asyncio, threading
+from tokenserve.runtime.server import GrpcServer, ServerOptions
+
+def wedged_forever():
+    threading.Event().wait()
+
+async def leave_a_thread():
+    threading.Thread(target=wedged_forever, name="wedged").start()
+
+async def main():
+    srv = GrpcServer("stuck", [], ServerOptions(port=0, drain_seconds=0, grace_seconds=0,
+                                                exit_deadline_seconds=1.0),
+                     on_stop=[leave_a_thread])
+    await srv.start()
+    # once run() has taken SIGTERM (it does before its first wait)
+    asyncio.get_running_loop().call_soon(lambda: print("up", flush=True))
+    await srv.run()
+
+asyncio.run(main())
+"""
+
+
+def test_a_sigterm_ends_a_service_whose_stop_leaves_a_thread_behind():
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_SERVICE], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        while (line := proc.stdout.readline()) and line.strip() != "up":
+            pass
+        assert line, proc.stderr.read()[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_DEADLINE_STATUS, err[-2000:]
+    assert "exit_deadline_passed" in out + err
+    assert "wedged_forever" in err, err[-2000:]  # every thread's stack: what it was stuck on
