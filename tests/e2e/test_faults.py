@@ -296,13 +296,29 @@ def streams_then_sigterm(up: Up, service: str, lengths: list[int], meanwhile=Non
     for t in threads:
         t.join(60)
     if not wait_for(lambda: not alive(pid), 60, 0.05):  # what it was doing, for the report
-        log = (up.data_dir / "var" / "logs" / f"{service}.log").read_text(errors="replace")
-        raise AssertionError(f"the {service} did not exit; the end of its log:\n" + "\n".join(log.splitlines()[-30:]))
+        raise AssertionError(f"the {service} did not exit; the end of its log:\n" + log_tail(up, service))
     return outcomes, late, termed, time.monotonic() - termed
 
 
+def log_tail(up: Up, service: str, lines: int = 120) -> str:
+    log = (up.data_dir / "var" / "logs" / f"{service}.log").read_text(errors="replace")
+    return "\n".join(log.splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def exits_cleanly(up: Up, service: str):
+    """Around a SIGTERM to `service` (and the launcher's pause): the launcher then reports its
+    exit with status 0, not the stop deadline's 70 (a stop that hung)."""
+    said = f"{service} exited with code "
+    before = up.output().count(said)
+    yield
+    assert up.wait_output_count(said, before + 1, 30), up.output()[-2000:]
+    code = up.output().rsplit(said, 1)[-1].split(";")[0].strip()
+    assert code == "0", f"the {service} exited with code {code}; the end of its log:\n" + log_tail(up, service)
+
+
 def test_sigterm_to_the_gateway_during_20_streams(up):
-    with launcher_paused(up):
+    with exits_cleanly(up, "gateway"), launcher_paused(up):
         # half short, half far longer than the grace period (cut at its end)
         outcomes, late, termed, exited = streams_then_sigterm(up, "gateway", [8, LONG] * 10)
         # drain 1 s + grace 5 s: every stream ended by then, completed or UNAVAILABLE
@@ -337,7 +353,7 @@ def direct_call_refused(up: Up) -> None:
 
 
 def test_sigterm_to_the_engine_drains(up):
-    with launcher_paused(up):
+    with exits_cleanly(up, "engine"), launcher_paused(up):
         engine = up.address("engine")
         outcomes, late, termed, exited = streams_then_sigterm(
             up, "engine", [8, LONG] * 3, meanwhile=lambda: direct_call_refused(up))

@@ -64,6 +64,10 @@ class Up:
             return text in self.output()
         return bool(wait_for(seen, timeout, 0.2))
 
+    def wait_output_count(self, text: str, count: int, timeout: float) -> bool:
+        """Whether `text` appears at least `count` times in the output within `timeout` s."""
+        return bool(wait_for(lambda: self.output().count(text) >= count, timeout, 0.2))
+
     def start(self):
         assert self.wait_output("Press Ctrl-C to stop.", 600), self.output()[-3000:]
         self.key = re.search(r"API key \(shown once\):\n  (ts-\S+)", self.output()).group(1)
