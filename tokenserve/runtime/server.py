@@ -57,8 +57,10 @@ class ServerOptions:
     tls: TlsConfig = PLAINTEXT
     # How long each on_stop hook may take before the stop goes on without it.
     stop_hook_seconds: float = 10.0
-    # After a signal: how long past drain + grace the process may take to exit, hooks included.
-    exit_deadline_seconds: float = 20.0
+    # After a signal: how long past drain + grace the process may take to exit, hooks included
+    # (within the launcher's 20 s before SIGKILL at the default drain and grace, so its stacks
+    # reach the log).
+    exit_deadline_seconds: float = 12.0
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
