@@ -275,13 +275,19 @@ class GrpcServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
-                loop.add_signal_handler(sig, self.request_stop)
+                loop.add_signal_handler(sig, self._signalled)
             except (NotImplementedError, RuntimeError):
                 pass
         await self._stop_requested.wait()
-        opts = self.options
-        _exit_by(self.service, opts.drain_seconds + opts.grace_seconds + opts.exit_deadline_seconds)
         await self.stop()
+
+    def _signalled(self):
+        """SIGTERM / SIGINT: the process is to end, so its exit gets a deadline (a stop asked
+        for in-process, `request_stop`, does not: the process goes on)."""
+        if not self._stop_requested.is_set():
+            opts = self.options
+            _exit_by(self.service, opts.drain_seconds + opts.grace_seconds + opts.exit_deadline_seconds)
+        self.request_stop()
 
 
 EXIT_DEADLINE_STATUS = 70  # EX_SOFTWARE: the stop did not finish by its deadline
@@ -297,5 +303,6 @@ def _exit_by(service: str, seconds: float) -> None:
         os._exit(EXIT_DEADLINE_STATUS)
 
     timer = threading.Timer(seconds, expire)
+    timer.name = f"exit-deadline-{service}"
     timer.daemon = True
     timer.start()

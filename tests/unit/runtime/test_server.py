@@ -3,6 +3,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -185,6 +186,17 @@ async def test_a_stop_hook_that_never_returns_is_left_behind_and_the_rest_run():
     await srv.start()
     await asyncio.wait_for(srv.stop(), 5)
     assert ran == ["after"] and srv._server is None
+
+
+async def test_a_stop_asked_in_process_sets_no_exit_deadline():
+    srv = GrpcServer("inproc", [], ServerOptions(port=0, drain_seconds=0, grace_seconds=0))
+    await srv.start()
+    running = asyncio.create_task(srv.run())
+    await asyncio.sleep(0)
+    srv.request_stop()
+    await asyncio.wait_for(running, 5)
+    # the process (here: pytest) goes on; nothing is left to end it later
+    assert not [t for t in threading.enumerate() if t.name.startswith("exit-deadline")]
 
 
 # A service whose stop leaves a thread that never ends: without the exit deadline the
